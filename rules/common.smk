@@ -1,0 +1,95 @@
+import hashlib
+from pathlib import Path
+
+from snakemake.utils import validate
+
+validate(config, "../config/config.schema.yaml")
+
+REPO = Path(workflow.basedir)
+PKG = REPO / "scripts" / "eaglepipe"
+RUN = f"results/{config['run_name']}"
+PY = "PYTHONPATH={}:$PYTHONPATH exec python -m".format(REPO / "scripts")
+
+# Modules each stage runs (its CLI plus the shared modules it imports). Their content digest is a
+# param, so editing a stage's code reruns exactly that stage and its dependants; a git checkout
+# that only touches mtimes reruns nothing.
+STAGE_MODULES = {
+    "build_target": ["build_target", "atomic"],
+    "prepare_data": ["prepare_data", "chat_data", "chat_template", "atomic"],
+    "vocab_mapping": ["vocab_mapping", "atomic"],
+    "extract": ["extract_hidden_states", "extract_hf", "extract_vllm", "shards", "layers", "atomic", "progress"],
+    "gather": ["gather_manifest", "shards", "atomic"],
+    "train": ["train_draft", "draft_model", "packed_data", "acceptance", "checkpoints", "shards", "atomic", "progress"],
+    "export": ["export_draft", "draft_model", "atomic"],
+    "evaluate": ["evaluate", "draft_model", "packed_data", "acceptance", "shards", "atomic"],
+    "plots": ["plots"],
+    "benchmark_serving": ["benchmark_serving"],
+}
+
+
+def code_digest(stage):
+    h = hashlib.sha256()
+    for name in STAGE_MODULES[stage]:
+        p = PKG / f"{name}.py"
+        h.update(name.encode())
+        h.update(p.read_bytes() if p.exists() else b"<missing>")
+    return h.hexdigest()[:16]
+
+
+def target_input():
+    """The target as a job input when the pipeline builds it or it is a local directory."""
+    model = config["target"]["model"]
+    if config["target"]["build"]:
+        return model
+    if Path(model).is_dir():
+        # ancient: a model directory is large and rarely rewritten; track its revision instead
+        return ancient(model)
+    return []
+
+
+def data_input():
+    path = config["data"]["path"]
+    return [] if path.startswith("package:") else path
+
+
+def trust_flag():
+    return "--trust-remote-code" if config["target"]["trust_remote_code"] else ""
+
+
+def revision_flag():
+    rev = config["target"]["revision"]
+    return f"--revision {rev}" if rev else ""
+
+
+def extract_gpus():
+    ex = config["extract"]
+    if ex["backend"] == "vllm":
+        return ex["tensor_parallel_size"]
+    return 1 if ex["device"] == "cuda" else 0
+
+
+def layer_ids_arg():
+    ids = config["extract"]["layer_ids"]
+    return ",".join(str(i) for i in ids) if ids else "auto"
+
+
+def num_speculative_tokens():
+    return config["export"]["num_speculative_tokens"] or config["train"]["ttt_steps"]
+
+
+def replica_parts():
+    r = config["extract"]["replicas"]
+    return expand(RUN + "/hidden_states/parts/replica-{i}-of-{r}.json", i=range(r), r=r)
+
+
+def final_outputs():
+    out = [
+        RUN + "/draft/config.json",
+        RUN + "/draft/model.safetensors",
+        RUN + "/eval/offline.json",
+        RUN + "/report/training.svg",
+        RUN + "/report/data_stats.svg",
+    ]
+    if config["benchmark_serving"]["enabled"]:
+        out.append(RUN + "/eval/serving.json")
+    return out

@@ -1,0 +1,48 @@
+# Checkpoints live in an undeclared directory beside the declared summary, so a killed job resumes
+# from its last complete checkpoint instead of starting over.
+rule train_draft:
+    input:
+        manifest=RUN + "/hidden_states/manifest.json",
+        vocab=RUN + "/data/vocab_mapping.safetensors",
+        model=target_input(),
+    output:
+        summary=RUN + "/train/summary.json",
+        metrics=RUN + "/train/metrics.jsonl",
+    log:
+        RUN + "/logs/train_draft.log",
+    benchmark:
+        RUN + "/benchmarks/train_draft.tsv"
+    params:
+        model=config["target"]["model"],
+        trust=trust_flag(),
+        ttt=config["train"]["ttt_steps"],
+        decay=config["train"]["ttt_step_loss_decay"],
+        lr=config["train"]["lr"],
+        wd=config["train"]["weight_decay"],
+        warmup=config["train"]["warmup_steps"],
+        steps=config["train"]["max_steps"],
+        batch_tokens=config["train"]["batch_tokens"],
+        eval_every=config["train"]["eval_every"],
+        ckpt_every=config["train"]["checkpoint_every"],
+        loss=config["train"]["loss"],
+        seed=config["train"]["seed"],
+        launcher=(
+            f"torchrun --standalone --nproc-per-node {config['train']['gpus']} -m"
+            if config["train"]["gpus"] > 1
+            else "python -m"
+        ),
+        outdir=RUN + "/train",
+        code=code_digest("train"),
+    threads: 2
+    resources:
+        gpu=config["train"]["gpus"],
+    conda:
+        "../envs/eaglepipe.yaml"
+    shell:
+        "PYTHONPATH={REPO}/scripts:$PYTHONPATH exec {params.launcher} eaglepipe.train_draft "
+        "--manifest {input.manifest} --vocab {input.vocab} --model {params.model} {params.trust} "
+        "--out-dir {params.outdir} --ttt-steps {params.ttt} --ttt-step-loss-decay {params.decay} "
+        "--lr {params.lr} --weight-decay {params.wd} --warmup-steps {params.warmup} "
+        "--max-steps {params.steps} --batch-tokens {params.batch_tokens} "
+        "--eval-every {params.eval_every} --checkpoint-every {params.ckpt_every} "
+        "--loss {params.loss} --seed {params.seed} > {log} 2>&1"

@@ -1,0 +1,1 @@
+"""eaglepipe: EAGLE-3 draft training pipeline for vLLM targets."""

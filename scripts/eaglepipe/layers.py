@@ -1,0 +1,54 @@
+"""Layer ids in vLLM's convention, the one every backend, shard and exported config uses.
+
+Id k (1 <= k < N) is the residual stream after k decoder layers, i.e. the input of 0-based
+layer k (transformers ``hidden_states[k]``). Id N = num_hidden_layers is the last decoder
+layer's output *before* the final norm. Id 0 (the embeddings) is rejected: vLLM 0.26 returns a
+wrong tensor for it on Llama and crashes on DeepseekV3 (shared/device/README.md §4).
+The old speculators 0.3 convention ("output of 0-based layer i") is one layer off from this.
+"""
+
+from __future__ import annotations
+
+CONVENTION = (
+    "vllm: id k = residual stream after k decoder layers (input of 0-based layer k); "
+    "id N = num_hidden_layers = last decoder layer output before the final norm"
+)
+
+
+def default_layer_ids(num_hidden_layers: int) -> list[int]:
+    """EAGLE-3's aux taps [2, N//2, N-3] plus the final layer N (Kimi-K2.5: [2, 30, 58, 61])."""
+    n = num_hidden_layers
+    if n < 4:
+        raise ValueError(
+            f"the default layer ids [2, N//2, N-3, N] need at least 4 decoder layers, the target has "
+            f"{n}; give extract.layer_ids explicitly"
+        )
+    aux = sorted({min(2, n - 1), max(1, n // 2), max(1, n - 3)})
+    return aux + [n]
+
+
+def validate_layer_ids(layer_ids: list[int], num_hidden_layers: int) -> list[int]:
+    """Check ids against the target; return them as given (ascending, final layer last)."""
+    n = num_hidden_layers
+    ids = [int(i) for i in layer_ids]
+    if len(ids) < 2:
+        raise ValueError(f"layer ids {ids}: need at least one aux id plus the final id {n}")
+    if ids != sorted(set(ids)):
+        raise ValueError(
+            f"layer ids {ids} must be strictly ascending (vLLM stores the slots in ascending order)"
+        )
+    if ids[0] < 1:
+        raise ValueError(f"layer id {ids[0]} is not allowed: vLLM's id 0 is broken; use ids 1..{n}")
+    if ids[-1] != n:
+        raise ValueError(
+            f"the last layer id must be the final layer {n} (num_hidden_layers of the target), "
+            f"got {ids[-1]}: the draft's targets come from it"
+        )
+    return ids
+
+
+def resolve_layer_ids(configured: list[int] | None, num_hidden_layers: int) -> list[int]:
+    """The configured ids (validated) or the default for this target."""
+    if configured is None:
+        return default_layer_ids(num_hidden_layers)
+    return validate_layer_ids(configured, num_hidden_layers)

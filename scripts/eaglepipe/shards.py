@@ -1,0 +1,188 @@
+"""The hidden-state shard format and the manifest that lists the shards.
+
+One safetensors file per batch, no padding (DESIGN.md decision 4):
+  hidden_states [T, L, H]  model dtype (bf16); T = the batch's samples packed end to end,
+                           L = captured layers (aux ids ascending, then the final layer)
+  input_ids     [T] int64,  loss_mask [T] uint8,  sample_index [B] int64,  offsets [B+1] int64
+With fp8 storage the aux layers are stored as float8_e4m3fn with one fp32 scale per token and
+layer (``aux_fp8`` [T, L-1, H], ``aux_scale`` [T, L-1]) and the final layer stays in the model
+dtype (``final`` [T, H]): the targets come from it and need its precision. ``read_shard``
+returns the same [T, L, H] view either way.
+The header metadata key ``eaglepipe`` holds JSON: format version, layer ids and convention,
+target model id/revision, dtype, tokenizer digest.
+
+Training reads the manifest, never scans the shard directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .atomic import atomic_path, sha256_file, write_json
+
+FORMAT_VERSION = 1
+STORAGE_DTYPES = ("model", "fp8")
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max
+
+
+@dataclass
+class Shard:
+    hidden_states: torch.Tensor  # [T, L, H]
+    input_ids: torch.Tensor  # [T]
+    loss_mask: torch.Tensor  # [T]
+    sample_index: torch.Tensor  # [B]
+    offsets: torch.Tensor  # [B+1]
+    metadata: dict
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.sample_index.numel())
+
+    def sample(self, b: int) -> dict:
+        """The b-th sample of the batch as views (no copy)."""
+        s, e = int(self.offsets[b]), int(self.offsets[b + 1])
+        return {
+            "index": int(self.sample_index[b]),
+            "hidden_states": self.hidden_states[s:e],
+            "input_ids": self.input_ids[s:e],
+            "loss_mask": self.loss_mask[s:e],
+        }
+
+
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row (last dim) absmax scaling to float8_e4m3fn; returns (values, fp32 scales)."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1).clamp_min(1e-12) / FP8_MAX
+    return (xf / scale.unsqueeze(-1)).to(FP8), scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (q.float() * scale.unsqueeze(-1)).to(dtype)
+
+
+def write_shard(
+    path: str | os.PathLike,
+    hidden_states: torch.Tensor,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    sample_index: torch.Tensor,
+    offsets: torch.Tensor,
+    metadata: dict,
+    storage_dtype: str = "model",
+) -> dict:
+    """Write one shard atomically and return its manifest row."""
+    T = hidden_states.shape[0]
+    if not (input_ids.shape[0] == loss_mask.shape[0] == T == int(offsets[-1])):
+        raise ValueError(
+            f"shard {path}: hidden_states has {T} tokens, input_ids {input_ids.shape[0]}, "
+            f"loss_mask {loss_mask.shape[0]}, offsets end at {int(offsets[-1])}"
+        )
+    if offsets.numel() != sample_index.numel() + 1:
+        raise ValueError(f"shard {path}: {sample_index.numel()} samples need {sample_index.numel() + 1} offsets")
+    tensors = {
+        "input_ids": input_ids.to(torch.int64).contiguous(),
+        "loss_mask": loss_mask.to(torch.uint8).contiguous(),
+        "sample_index": sample_index.to(torch.int64).contiguous(),
+        "offsets": offsets.to(torch.int64).contiguous(),
+    }
+    if storage_dtype == "model":
+        tensors["hidden_states"] = hidden_states.contiguous()
+    elif storage_dtype == "fp8":
+        q, scale = quantize_fp8(hidden_states[:, :-1])
+        tensors["aux_fp8"] = q.contiguous()
+        tensors["aux_scale"] = scale.contiguous()
+        tensors["final"] = hidden_states[:, -1].contiguous()
+    else:
+        raise ValueError(f"storage dtype {storage_dtype!r}: allowed {STORAGE_DTYPES}")
+    meta = dict(metadata, format_version=FORMAT_VERSION, storage_dtype=storage_dtype,
+                model_dtype=str(hidden_states.dtype).removeprefix("torch."))
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata={"eaglepipe": json.dumps(meta)})
+    return {
+        "file": Path(path).name,
+        "samples": int(sample_index.numel()),
+        "tokens": int(T),
+        "bytes": os.path.getsize(path),
+        "sha256": sha256_file(path),
+    }
+
+
+def read_shard(path: str | os.PathLike) -> Shard:
+    """Memory-mapped read; fp8 shards come back dequantized to the model dtype."""
+    with safe_open(str(path), framework="pt") as f:
+        meta = json.loads(f.metadata()["eaglepipe"])
+        if meta.get("format_version") != FORMAT_VERSION:
+            raise ValueError(f"shard {path}: format version {meta.get('format_version')}, "
+                             f"this reader knows {FORMAT_VERSION}")
+        keys = set(f.keys())
+        if "hidden_states" in keys:
+            hs = f.get_tensor("hidden_states")
+        else:
+            final = f.get_tensor("final")
+            aux = dequantize_fp8(f.get_tensor("aux_fp8"), f.get_tensor("aux_scale"), final.dtype)
+            hs = torch.cat([aux, final.unsqueeze(1)], dim=1)
+        return Shard(
+            hidden_states=hs,
+            input_ids=f.get_tensor("input_ids"),
+            loss_mask=f.get_tensor("loss_mask"),
+            sample_index=f.get_tensor("sample_index"),
+            offsets=f.get_tensor("offsets"),
+            metadata=meta,
+        )
+
+
+def shard_is_valid(path: str | os.PathLike, row: dict | None = None) -> bool:
+    """A shard counts as complete when it opens, its sizes agree and (if known) its checksum matches."""
+    path = Path(path)
+    if not path.is_file():
+        return False
+    if row is not None:
+        if row.get("bytes") != path.stat().st_size or row.get("sha256") != sha256_file(path):
+            return False
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            json.loads(f.metadata()["eaglepipe"])
+            offsets = f.get_slice("offsets")
+            ids = f.get_slice("input_ids")
+            n_off = offsets.get_shape()[0]
+            return n_off >= 2 and ids.get_shape()[0] == int(f.get_tensor("offsets")[-1])
+    except Exception:  # any unreadable file is simply not complete
+        return False
+
+
+# ----------------------------------------------------------------------------- manifest
+def write_manifest(path: str | os.PathLike, manifest: dict) -> None:
+    manifest = dict(manifest, format_version=FORMAT_VERSION)
+    write_json(path, manifest)
+
+
+def load_manifest(path: str | os.PathLike) -> dict:
+    path = Path(path)
+    try:
+        m = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"manifest {path}: cannot be read ({e})") from e
+    for key in ("layer_ids", "splits", "shard_dir", "target"):
+        if key not in m:
+            raise ValueError(f"manifest {path}: missing key {key!r}")
+    if m.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"manifest {path}: format version {m.get('format_version')}, expected {FORMAT_VERSION}")
+    m["_path"] = str(path)
+    return m
+
+
+def shard_paths(manifest: dict, split: str) -> list[tuple[Path, dict]]:
+    """(absolute path, manifest row) of every shard of a split, in manifest order."""
+    if split not in manifest["splits"]:
+        raise ValueError(f"manifest {manifest.get('_path')}: no split {split!r} "
+                         f"(has {sorted(manifest['splits'])})")
+    base = Path(manifest["_path"]).parent / manifest["shard_dir"]
+    return [(base / row["file"], row) for row in manifest["splits"][split]["shards"]]
