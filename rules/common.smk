@@ -1,11 +1,21 @@
 import hashlib
+import sys
 from pathlib import Path
 
+from snakemake.exceptions import WorkflowError
 from snakemake.utils import validate
 
+REPO = Path(workflow.basedir)
+sys.path.insert(0, str(REPO / "scripts"))
+from eaglepipe.config_check import coerce_cli_strings, config_errors, load_schema
+
+_schema = load_schema(str(REPO / "config" / "config.schema.yaml"))
+coerce_cli_strings(config, _schema)
+_errors = config_errors(config, _schema)
+if _errors:
+    raise WorkflowError("invalid configuration:\n  " + "\n  ".join(_errors))
 validate(config, "../config/config.schema.yaml")
 
-REPO = Path(workflow.basedir)
 PKG = REPO / "scripts" / "eaglepipe"
 RUN = f"results/{config['run_name']}"
 PY = "PYTHONPATH={}:$PYTHONPATH exec python -m".format(REPO / "scripts")
