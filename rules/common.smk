@@ -1,4 +1,6 @@
 import hashlib
+import os
+import re
 import sys
 from pathlib import Path
 
@@ -17,8 +19,15 @@ if _errors:
 validate(config, "../config/config.schema.yaml")
 
 PKG = REPO / "scripts" / "eaglepipe"
-RUN = f"results/{config['run_name']}"
-PY = "PYTHONPATH={}:$PYTHONPATH exec python -m".format(REPO / "scripts")
+# Relative to the working directory, so moving the checkout does not change any param.
+PYTHONPATH = os.path.relpath(REPO / "scripts")
+
+
+wildcard_constraints:
+    run=re.escape(config["run_name"]),
+    i=r"\d+",
+    r=r"\d+",
+
 
 # Modules each stage runs (its CLI plus the shared modules it imports). Their content digest is a
 # param, so editing a stage's code reruns exactly that stage and its dependants; a git checkout
@@ -46,7 +55,7 @@ def code_digest(stage):
     return h.hexdigest()[:16]
 
 
-def target_input():
+def target_input(wildcards=None):
     """The target as a job input when the pipeline builds it or it is a local directory."""
     model = config["target"]["model"]
     if config["target"]["build"]:
@@ -57,7 +66,12 @@ def target_input():
     return []
 
 
-def data_input():
+def target_arg(wildcards, input):
+    """The target as the CLIs take it: the input directory, or the hub id."""
+    return input.model if input.model else config["target"]["model"]
+
+
+def data_input(wildcards=None):
     path = config["data"]["path"]
     return [] if path.startswith("package:") else path
 
@@ -87,19 +101,21 @@ def num_speculative_tokens():
     return config["export"]["num_speculative_tokens"] or config["train"]["ttt_steps"]
 
 
-def replica_parts():
+def replica_parts(wildcards):
     r = config["extract"]["replicas"]
-    return expand(RUN + "/hidden_states/parts/replica-{i}-of-{r}.json", i=range(r), r=r)
+    return expand(
+        "results/{run}/hidden_states/parts/replica-{i}-of-{r}.json", run=wildcards.run, i=range(r), r=r
+    )
 
 
 def final_outputs():
     out = [
-        RUN + "/draft/config.json",
-        RUN + "/draft/model.safetensors",
-        RUN + "/eval/offline.json",
-        RUN + "/report/training.svg",
-        RUN + "/report/data_stats.svg",
+        "draft/config.json",
+        "draft/model.safetensors",
+        "eval/offline.json",
+        "report/training.svg",
+        "report/data_stats.svg",
     ]
     if config["benchmark_serving"]["enabled"]:
-        out.append(RUN + "/eval/serving.json")
-    return out
+        out.append("eval/serving.json")
+    return expand("results/{run}/{path}", run=config["run_name"], path=out)

@@ -4,20 +4,18 @@
 # outputs of failed jobs, which would throw finished shards away).
 rule extract_hidden_states:
     input:
-        train=RUN + "/data/train.jsonl",
-        eval=RUN + "/data/eval.jsonl",
+        train="results/{run}/data/train.jsonl",
+        eval="results/{run}/data/eval.jsonl",
         model=target_input(),
     output:
-        part=RUN + "/hidden_states/parts/replica-{i}-of-{r}.json",
+        part="results/{run}/hidden_states/parts/replica-{i}-of-{r}.json",
     log:
-        RUN + "/logs/extract_hidden_states.replica-{i}-of-{r}.log",
+        "results/{run}/logs/extract_hidden_states.replica-{i}-of-{r}.log",
     benchmark:
-        RUN + "/benchmarks/extract_hidden_states.replica-{i}-of-{r}.tsv"
-    wildcard_constraints:
-        i=r"\d+",
-        r=r"\d+",
+        "results/{run}/benchmarks/extract_hidden_states.replica-{i}-of-{r}.tsv"
     params:
-        model=config["target"]["model"],
+        pythonpath=PYTHONPATH,
+        model=target_arg,
         revision=revision_flag(),
         trust=trust_flag(),
         backend=config["extract"]["backend"],
@@ -30,7 +28,7 @@ rule extract_hidden_states:
         max_model_len=config["extract"]["max_model_len"],
         gpu_util=config["extract"]["gpu_memory_utilization"],
         eager="--enforce-eager" if config["extract"]["enforce_eager"] else "",
-        shard_dir=RUN + "/hidden_states/shards",
+        shard_dir=lambda wc, output: os.path.join(os.path.dirname(os.path.dirname(output.part)), "shards"),
         code=code_digest("extract"),
     threads: 4
     resources:
@@ -38,7 +36,7 @@ rule extract_hidden_states:
     conda:
         "../envs/vllm.yaml" if config["extract"]["backend"] == "vllm" else "../envs/eaglepipe.yaml"
     shell:
-        "{PY} eaglepipe.extract_hidden_states --train {input.train} --eval {input.eval} "
+        "PYTHONPATH={params.pythonpath} exec python -m eaglepipe.extract_hidden_states --train {input.train} --eval {input.eval} "
         "--model {params.model} {params.revision} {params.trust} --backend {params.backend} "
         "--device {params.device} --tensor-parallel-size {params.tp} --layer-ids {params.layer_ids} "
         "--batch-size {params.batch_size} --storage-dtype {params.storage} --dtype {params.dtype} "
@@ -49,14 +47,15 @@ rule extract_hidden_states:
 
 rule gather_hidden_states:
     input:
-        replica_parts(),
+        replica_parts,
     output:
-        manifest=RUN + "/hidden_states/manifest.json",
+        manifest="results/{run}/hidden_states/manifest.json",
     log:
-        RUN + "/logs/gather_hidden_states.log",
+        "results/{run}/logs/gather_hidden_states.log",
     params:
+        pythonpath=PYTHONPATH,
         code=code_digest("gather"),
     conda:
         "../envs/eaglepipe.yaml"
     shell:
-        "{PY} eaglepipe.gather_manifest --out {output.manifest} {input} > {log} 2>&1"
+        "PYTHONPATH={params.pythonpath} exec python -m eaglepipe.gather_manifest --out {output.manifest} {input} > {log} 2>&1"

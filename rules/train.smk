@@ -2,18 +2,19 @@
 # from its last complete checkpoint instead of starting over.
 rule train_draft:
     input:
-        manifest=RUN + "/hidden_states/manifest.json",
-        vocab=RUN + "/data/vocab_mapping.safetensors",
+        manifest="results/{run}/hidden_states/manifest.json",
+        vocab="results/{run}/data/vocab_mapping.safetensors",
         model=target_input(),
     output:
-        summary=RUN + "/train/summary.json",
-        metrics=RUN + "/train/metrics.jsonl",
+        summary="results/{run}/train/summary.json",
+        metrics="results/{run}/train/metrics.jsonl",
     log:
-        RUN + "/logs/train_draft.log",
+        "results/{run}/logs/train_draft.log",
     benchmark:
-        RUN + "/benchmarks/train_draft.tsv"
+        "results/{run}/benchmarks/train_draft.tsv"
     params:
-        model=config["target"]["model"],
+        pythonpath=PYTHONPATH,
+        model=target_arg,
         trust=trust_flag(),
         ttt=config["train"]["ttt_steps"],
         decay=config["train"]["ttt_step_loss_decay"],
@@ -31,7 +32,7 @@ rule train_draft:
             if config["train"]["gpus"] > 1
             else "python -m"
         ),
-        outdir=RUN + "/train",
+        outdir=lambda wc, output: os.path.dirname(output.summary),
         code=code_digest("train"),
     threads: 2
     resources:
@@ -39,7 +40,7 @@ rule train_draft:
     conda:
         "../envs/eaglepipe.yaml"
     shell:
-        "PYTHONPATH={REPO}/scripts:$PYTHONPATH exec {params.launcher} eaglepipe.train_draft "
+        "PYTHONPATH={params.pythonpath} exec {params.launcher} eaglepipe.train_draft "
         "--manifest {input.manifest} --vocab {input.vocab} --model {params.model} {params.trust} "
         "--out-dir {params.outdir} --ttt-steps {params.ttt} --ttt-step-loss-decay {params.decay} "
         "--lr {params.lr} --weight-decay {params.wd} --warmup-steps {params.warmup} "

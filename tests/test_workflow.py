@@ -1,0 +1,137 @@
+"""The whole DAG on CPU: a tiny end-to-end run, dry-run plans, rerun behaviour, lint."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+import tiny
+from workflow import REPO, copy_workflow, dry_run, snakemake, summary, write_config
+
+STAGES = {"prepare_data", "vocab_mapping", "extract_hidden_states", "gather_hidden_states",
+          "train_draft", "export_draft", "evaluate_offline", "plot_report", "all"}
+
+
+def tiny_config(target: Path, chats: Path) -> dict:
+    return {
+        "run_name": "tiny",
+        "target": {"model": str(target), "build": None, "deploy_name": "tiny/llama"},
+        "data": {"path": str(chats), "max_samples": None, "max_length": 96, "eval_fraction": 0.25},
+        "draft": {"vocab_size": 64},
+        "extract": {"backend": "hf", "device": "cpu", "batch_size": 4},
+        "train": {"max_steps": 6, "lr": 0.001, "batch_tokens": 256, "eval_every": 3,
+                  "checkpoint_every": 3, "warmup_steps": 1},
+    }
+
+
+@pytest.fixture(scope="module")
+def done_run(tmp_path_factory):
+    """A finished tiny end-to-end run in a copy of the workflow."""
+    ws = copy_workflow(tmp_path_factory.mktemp("ws"))
+    target = tiny.make_llama(ws / "target")
+    chats = tiny.make_chats(ws / "chats.jsonl", n=24)
+    write_config(ws, tiny_config(target, chats))
+    jobs, reasons, _ = dry_run(ws)
+    assert set(jobs) == STAGES, jobs
+    assert set(reasons["output files have to be generated"]) == STAGES - {"all"}
+    snakemake(ws)
+    return ws
+
+
+def test_end_to_end_outputs(done_run):
+    run = done_run / "results" / "tiny"
+    cfg = json.loads((run / "draft" / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "eagle3"
+    assert cfg["speculators_config"]["verifier"]["name_or_path"] == "tiny/llama"
+    manifest = json.loads((run / "hidden_states" / "manifest.json").read_text())
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == manifest["layer_ids"][:-1]
+    assert manifest["layer_ids"] == [2, 3, 6]  + [] or manifest["layer_ids"][-1] == 6
+    with safe_open(str(run / "draft" / "model.safetensors"), "pt") as f:
+        assert {"d2t", "t2d", "fc.weight"} <= set(f.keys())
+    offline = json.loads((run / "eval" / "offline.json").read_text())
+    assert offline["tokens_evaluated"] > 0
+    assert 1.0 <= offline["acceptance_length"] <= 1 + offline["k"]
+    for svg in ("training.svg", "data_stats.svg"):
+        assert (run / "report" / svg).read_text().lstrip().startswith(("<?xml", "<svg"))
+    stats = json.loads((run / "data" / "stats.json").read_text())
+    assert stats["kept"] > 0
+
+
+def test_nothing_to_do_after_a_full_run(done_run):
+    jobs, _, out = dry_run(done_run)
+    assert jobs == {}, out
+    assert "Nothing to be done" in out
+    rows = summary(done_run)
+    assert rows and all(r["plan"] == "no update" for r in rows.values()), rows
+
+
+def test_training_setting_reruns_training_and_what_follows_only(done_run):
+    jobs, reasons, _ = dry_run(done_run, "--config", 'train={"lr": 0.002}')
+    assert set(jobs) == {"train_draft", "export_draft", "evaluate_offline", "plot_report", "all"}
+    assert "train_draft" in reasons["params have changed since last execution"]
+
+
+def test_data_setting_reruns_from_tokenization(done_run):
+    jobs, _, _ = dry_run(done_run, "--config", 'data={"max_length": 80}')
+    assert set(jobs) == STAGES
+
+
+def test_code_edit_reruns_that_stage_and_its_dependants(done_run):
+    module = done_run / "scripts" / "eaglepipe" / "export_draft.py"
+    original = module.read_text()
+    try:
+        module.write_text(original + "\n# an edit\n")
+        jobs, reasons, _ = dry_run(done_run)
+        assert set(jobs) == {"export_draft", "evaluate_offline", "plot_report", "all"}
+        assert "export_draft" in reasons["params have changed since last execution"]
+    finally:
+        module.write_text(original)
+    module = done_run / "scripts" / "eaglepipe" / "extract_hf.py"
+    original = module.read_text()
+    try:
+        module.write_text(original + "\n# an edit\n")
+        jobs, _, _ = dry_run(done_run)
+        assert set(jobs) == STAGES - {"prepare_data", "vocab_mapping"}
+    finally:
+        module.write_text(original)
+
+
+def test_delivered_draft_is_write_protected(done_run):
+    draft = done_run / "results" / "tiny" / "draft" / "model.safetensors"
+    assert not (draft.stat().st_mode & 0o222)
+    p = snakemake(done_run, "--config", 'train={"lr": 0.002}', check=False)
+    assert p.returncode != 0
+    assert "protected" in (p.stdout + p.stderr).lower()
+
+
+def test_kimi_preset_dry_run_plans_one_tp8_vllm_job(tmp_path):
+    p = subprocess.run(
+        [sys.executable, "-m", "snakemake", "-n", "-p", "--cores", "all", "--directory", str(REPO),
+         "--workflow-profile", "none", "--configfile", str(REPO / "config/presets/kimi-k2.5.yaml")],
+        capture_output=True, text=True, cwd=REPO)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out
+    block = out[out.index("rule extract_hidden_states:"):]
+    block = block[: block.index("\n\n")]
+    assert block.count("rule extract_hidden_states:") == 1
+    assert "gpu=8" in block
+    for flag in ("--backend vllm", "--tensor-parallel-size 8", "--layer-ids 2,30,58,61", "--trust-remote-code"):
+        assert flag in block, (flag, block)
+    assert "build_target" not in out  # a hub model is not built
+
+
+def test_replicas_plan_one_job_each_and_one_gather(tmp_path):
+    ws = copy_workflow(tmp_path)
+    jobs, _, out = dry_run(ws, "--config", 'extract={"replicas": 3}')
+    assert jobs["extract_hidden_states"] == 3 and jobs["gather_hidden_states"] == 1, out
+
+
+def test_lint_is_clean():
+    p = subprocess.run([sys.executable, "-m", "snakemake", "--lint", "--directory", str(REPO),
+                        "--workflow-profile", "none"], capture_output=True, text=True, cwd=REPO)
+    assert p.returncode == 0, p.stdout + p.stderr
