@@ -1,0 +1,338 @@
+"""Export a trained draft as the directory vLLM serves: config.json + model.safetensors + README.md.
+
+The checkpoint is speculators' ``save_pretrained`` output of an ``Eagle3DraftModel``; the export is
+the same format (vLLM loads it natively, research/speculators.md §1.5-1.6) with the deploy-time
+verifier name, K, bf16 weights, and optionally without ``embed_tokens`` (vLLM then shares the
+target's, which training never changes). Everything is checked before the directory appears, and
+the result is round-trip loaded with speculators against the training target.
+
+    python -m eaglepipe.export_draft --summary results/run/train/summary.json --which best \
+        --verifier-name moonshotai/Kimi-K2.5 --num-speculative-tokens 3 --drop-embedding \
+        --out-dir results/run/draft
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from .layers import CONVENTION
+
+SUMMARY_KEYS = ("best", "last", "steps", "best_eval", "layer_ids", "aux_layer_ids", "target_model",
+                "draft_vocab_size", "ttt_steps")
+EMBED = "embed_tokens.weight"
+# What vLLM 0.26.0 reads from an EAGLE-3 config (algos.py update_eagle3, /tmp/prompts/vllm_norms.md).
+VLLM_NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+VLLM_DRAFT_ARCHS = ("llama", "qwen3")
+CARD_NAME = "README.md"
+
+
+class ExportError(ValueError):
+    """A checkpoint or summary that cannot be exported; the message says what and where."""
+
+
+# ----------------------------------------------------------------------------- inputs
+def load_summary(path: str | os.PathLike) -> dict:
+    path = Path(path)
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ExportError(f"training summary {path}: cannot be read as JSON ({e})") from e
+    if not isinstance(summary, dict):
+        raise ExportError(f"training summary {path}: expected a JSON object, got {type(summary).__name__}")
+    missing = [k for k in SUMMARY_KEYS if k not in summary]
+    if missing:
+        raise ExportError(f"training summary {path}: missing key(s) {missing}; the trainer writes {list(SUMMARY_KEYS)}")
+    aux, ids = summary["aux_layer_ids"], summary["layer_ids"]
+    if not (isinstance(aux, list) and isinstance(ids, list) and aux and ids[:-1] == aux):
+        raise ExportError(
+            f"training summary {path}: field aux_layer_ids {aux} must be layer_ids {ids} without the final id"
+        )
+    return summary
+
+
+def resolve_checkpoint(summary_path: str | os.PathLike, summary: dict, which: str) -> Path:
+    """The checkpoint directory the summary names as ``which`` (best/last), checked to be complete."""
+    if which not in ("best", "last"):
+        raise ExportError(f"--which {which!r}: allowed 'best' or 'last'")
+    rel = summary[which]
+    if not isinstance(rel, str) or not rel:
+        raise ExportError(f"training summary {summary_path}: field {which!r} is {rel!r}, expected a checkpoint path")
+    ckpt = (Path(summary_path).parent / rel).resolve()
+    if not ckpt.is_dir():
+        raise ExportError(f"checkpoint {ckpt} (summary field {which!r}) does not exist")
+    for name, why in (("COMPLETE", "it was not finished (no COMPLETE marker)"),
+                      ("config.json", "config.json is missing"),
+                      ("model.safetensors", "model.safetensors is missing")):
+        if not (ckpt / name).is_file():
+            raise ExportError(f"checkpoint {ckpt} cannot be exported: {why}")
+    return ckpt
+
+
+# ----------------------------------------------------------------------------- checks
+def check_serving_flags(config: dict, where: str) -> None:
+    """Refuse a draft whose config asks for something vLLM 0.26.0 would silently not do."""
+    arch = config.get("transformer_layer_config", {}).get("model_type")
+    if arch not in VLLM_DRAFT_ARCHS:
+        raise ExportError(f"{where}: transformer_layer_config.model_type is {arch!r}; vLLM serves EAGLE-3 "
+                          f"drafts of type {list(VLLM_DRAFT_ARCHS)} only")
+    unknown = sorted(k for k, v in config.items() if "norm" in k and k not in VLLM_NORM_FLAGS and v)
+    if unknown:
+        raise ExportError(f"{where}: norm flag(s) {unknown} are set but vLLM 0.26.0 ignores them (it honours "
+                          f"{list(VLLM_NORM_FLAGS)}): the served draft would differ from the trained one")
+    if config.get("speculators_model_type") != "eagle3":
+        raise ExportError(f"{where}: speculators_model_type is {config.get('speculators_model_type')!r}, expected 'eagle3'")
+
+
+def expected_shapes(config: dict) -> tuple[dict[str, tuple], set[str]]:
+    """Tensor name -> shape an Eagle3DraftModel of this config saves, and the names vLLM may go without."""
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+
+    cfg = Eagle3SpeculatorConfig(**{k: v for k, v in config.items() if k not in ("auto_map", "transformers_version")})
+    with torch.device("meta"):  # shapes only: no memory, no verifier weights
+        model = Eagle3DraftModel(cfg)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()
+              if k not in Eagle3DraftModel._keys_to_ignore_on_save}
+    return shapes, {EMBED}
+
+
+def check_tensors(tensors: dict[str, torch.Tensor], shapes: dict[str, tuple], optional: set[str], where: str) -> None:
+    missing = sorted(set(shapes) - set(tensors) - optional)
+    if missing:
+        raise ExportError(f"{where}: tensor(s) {missing} missing (the config needs {sorted(shapes)})")
+    extra = sorted(set(tensors) - set(shapes))
+    if extra:
+        raise ExportError(f"{where}: unexpected tensor(s) {extra} for this config (allowed {sorted(shapes)})")
+    for name, t in tensors.items():
+        if tuple(t.shape) != shapes[name]:
+            raise ExportError(f"{where}: tensor {name!r} has shape {list(t.shape)}, the config says {list(shapes[name])}")
+    if "t2d" in tensors:
+        t2d, d2t = tensors["t2d"].bool(), tensors["d2t"].long()
+        if int(t2d.sum()) != d2t.numel() or not torch.equal(torch.nonzero(t2d).flatten(), torch.arange(d2t.numel()) + d2t):
+            raise ExportError(f"{where}: d2t and t2d disagree (target id = draft index + d2t must list the "
+                              f"{d2t.numel()} tokens t2d marks, ascending)")
+    bad = [n for n, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all()]
+    if bad:
+        raise ExportError(f"{where}: tensor(s) {bad} hold NaN or inf values")
+
+
+# ----------------------------------------------------------------------------- export
+def export_config(config: dict, summary: dict, verifier_name: str, k: int, where: str) -> dict:
+    """The checkpoint's speculators config with the deploy-time fields set and cross-checked."""
+    aux = [int(i) for i in summary["aux_layer_ids"]]
+    if config.get("eagle_aux_hidden_state_layer_ids") != aux:
+        raise ExportError(f"{where}: eagle_aux_hidden_state_layer_ids {config.get('eagle_aux_hidden_state_layer_ids')} "
+                          f"differ from the training summary's aux_layer_ids {aux}")
+    if config.get("draft_vocab_size") != summary["draft_vocab_size"]:
+        raise ExportError(f"{where}: draft_vocab_size {config.get('draft_vocab_size')} differs from the training "
+                          f"summary's {summary['draft_vocab_size']}")
+    if k < 1:
+        raise ExportError(f"--num-speculative-tokens {k}: must be at least 1")
+    out = json.loads(json.dumps(config))
+    out["dtype"] = "bfloat16"
+    out["eagle_aux_hidden_state_layer_ids"] = aux
+    # vLLM's defaults differ from speculators' (norm_before_residual: True vs False): always write them.
+    for flag in VLLM_NORM_FLAGS:
+        out[flag] = bool(config.get(flag, False))
+    spec = out["speculators_config"]
+    spec["verifier"]["name_or_path"] = verifier_name
+    methods = spec.get("proposal_methods") or []
+    if not methods:
+        raise ExportError(f"{where}: speculators_config.proposal_methods is empty")
+    methods[0]["speculative_tokens"] = int(k)
+    return out
+
+
+def serve_command(target: str, draft_dir: str, k: int) -> str:
+    spec = json.dumps({"model": draft_dir, "method": "eagle3", "num_speculative_tokens": k})
+    return f"vllm serve {target} --speculative-config '{spec}'"
+
+
+def read_data_stats(path: Path) -> dict | None:
+    """prepare_data's stats.json beside the run, for the card only; absent or unreadable -> None."""
+    try:
+        stats = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return stats if isinstance(stats, dict) else None
+
+
+def model_card(config: dict, summary: dict, ckpt: Path, which: str, out_dir: Path, k: int,
+               dropped: bool, data_stats: dict | None) -> str:
+    verifier = config["speculators_config"]["verifier"]["name_or_path"]
+    tl = config["transformer_layer_config"]
+    lines = [
+        f"# EAGLE-3 draft for `{verifier}`",
+        "",
+        "Trained with eaglepipe (speculators EAGLE-3 model and losses); speculators format, served natively by vLLM.",
+        "",
+        "## Serve",
+        "```",
+        serve_command(verifier, str(out_dir.resolve()), k),
+        "```",
+        "",
+        "## Draft",
+        f"- target (verifier): `{verifier}`; trained against `{summary['target_model']}`",
+        f"- decoder: {tl.get('num_hidden_layers')} x {tl.get('model_type')} layer, hidden {tl.get('hidden_size')}, "
+        f"draft vocab {config['draft_vocab_size']} of {tl.get('vocab_size')}",
+        f"- aux layer ids {summary['aux_layer_ids']} (all captured ids {summary['layer_ids']}); convention: {CONVENTION}",
+        "- norm flags: " + ", ".join(f"{f}={config[f]}" for f in VLLM_NORM_FLAGS),
+        f"- num_speculative_tokens {k} (trained with {summary['ttt_steps']} TTT steps)",
+        f"- embed_tokens: {'left out, vLLM shares the target embedding' if dropped else 'included'}",
+        "",
+        "## Training",
+        f"- checkpoint: {which} = `{ckpt.name}` of {summary['steps']} steps",
+        f"- training tokens: {summary.get('train_tokens', 'n/a')}",
+    ]
+    if data_stats:
+        lines.append(f"- data: {data_stats.get('read', 'n/a')} conversations read, {data_stats.get('kept', 'n/a')} kept, "
+                     f"skipped {data_stats.get('skipped', {})}")
+    ev = summary.get("best_eval") or {}
+    lines.append(f"- offline acceptance length (best eval, bonus token counted): {ev.get('acceptance_length', 'n/a')}")
+    for key, value in ev.items():
+        if key != "acceptance_length":
+            lines.append(f"  - {key}: {value}")
+    return "\n".join(lines) + "\n"
+
+
+def roundtrip_check(out_dir: Path, target: str, written: dict[str, torch.Tensor], name: Path) -> None:
+    """Load the export in ``out_dir`` (bound for ``name``) with speculators and compare the tensors."""
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+    from speculators.utils.loading import load_model_layers
+
+    cfg = Eagle3SpeculatorConfig.from_pretrained(str(out_dir))
+    cfg.speculators_config.verifier.name_or_path = target  # the deploy name need not exist here
+    try:  # speculators also reads the target's head and final norm here: they must fit the draft
+        model = Eagle3DraftModel.from_pretrained(str(out_dir), config=cfg, dtype=torch.bfloat16)
+        if EMBED not in written:
+            # transformers 5 leaves a weight absent from the file uninitialised (not NaN), so speculators'
+            # NaN test for "fill from the verifier" can miss it: load the target's embedding explicitly.
+            model.embed_tokens.load_state_dict({"weight": load_model_layers([EMBED], target)[EMBED]})
+    except (RuntimeError, KeyError, ValueError) as e:
+        detail = " ".join(str(e).split())
+        raise ExportError(f"export {name}: speculators cannot load it against the target {target} (whose "
+                          f"embedding vLLM shares and whose head the draft was trained on): {detail}") from e
+    state = model.state_dict()
+    for key, t in written.items():
+        if not torch.equal(state[key].cpu(), t):
+            raise ExportError(f"export {name}: tensor {key!r} reads back different from what was written")
+
+
+def export_draft(summary_path: str, which: str, verifier_name: str, k: int, drop_embedding: bool,
+                 out_dir: str) -> dict:
+    summary = load_summary(summary_path)
+    ckpt = resolve_checkpoint(summary_path, summary, which)
+    where = f"checkpoint {ckpt}"
+    try:
+        config = json.loads((ckpt / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise ExportError(f"{where}: config.json is not valid JSON ({e})") from e
+    check_serving_flags(config, where)
+    try:
+        tensors = load_file(str(ckpt / "model.safetensors"))
+    except Exception as e:  # safetensors raises several error types for damaged files
+        raise ExportError(f"{where}: model.safetensors cannot be read ({e})") from e
+    shapes, optional = expected_shapes(config)
+    check_tensors(tensors, shapes, optional, where)
+    out_cfg = export_config(config, summary, verifier_name, k, where)
+
+    saved = 0
+    if drop_embedding and EMBED in tensors:
+        saved = tensors.pop(EMBED).numel() * torch.finfo(torch.bfloat16).bits // 8
+    elif not drop_embedding and EMBED not in tensors:
+        raise ExportError(f"{where}: --keep-embedding, but the checkpoint has no {EMBED}")
+    # bf16 floats (the serving dtype); d2t (int64) and t2d (bool) exactly as trained.
+    tensors = {n: (t.to(torch.bfloat16) if t.is_floating_point() else t).contiguous() for n, t in tensors.items()}
+
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise ExportError(f"--out-dir {out} already holds {sorted(p.name for p in out.iterdir())}; "
+                          f"a delivered draft is never overwritten, delete it on purpose")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}.", dir=out.parent))
+    try:
+        (tmp / "config.json").write_text(json.dumps(out_cfg, indent=2, sort_keys=True) + "\n")
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        data_stats = read_data_stats(Path(summary_path).parent.parent / "data" / "stats.json")
+        (tmp / CARD_NAME).write_text(model_card(out_cfg, summary, ckpt, which, out, k, EMBED not in tensors, data_stats))
+        validate_export(tmp)
+        roundtrip_check(tmp, summary["target_model"], tensors, out)
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        if out.exists():
+            out.rmdir()  # empty: Snakemake may create the output directory before the job
+        os.replace(tmp, out)
+        dir_fd = os.open(out.parent, os.O_RDONLY)  # make the rename durable, as atomic.atomic_path does
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return {"checkpoint": str(ckpt), "out_dir": str(out), "embedding_bytes_saved": saved,
+            "bytes": (out / "model.safetensors").stat().st_size}
+
+
+def validate_export(draft_dir: str | os.PathLike) -> dict:
+    """Check an export dir on its own: required config keys and tensor names vLLM needs. Returns the config."""
+    d = Path(draft_dir)
+    for name in ("config.json", "model.safetensors"):
+        if not (d / name).is_file():
+            raise ExportError(f"export {d}: {name} is missing")
+    config = json.loads((d / "config.json").read_text())
+    required = ("speculators_model_type", "draft_vocab_size", "eagle_aux_hidden_state_layer_ids",
+                "transformer_layer_config", "speculators_config", *VLLM_NORM_FLAGS)
+    missing = [k for k in required if k not in config]
+    spec = config.get("speculators_config", {})
+    if not spec.get("verifier", {}).get("name_or_path"):
+        missing.append("speculators_config.verifier.name_or_path")
+    if not (spec.get("proposal_methods") or [{}])[0].get("speculative_tokens"):
+        missing.append("speculators_config.proposal_methods[0].speculative_tokens")
+    if missing:
+        raise ExportError(f"export {d / 'config.json'}: missing key(s) {missing}")
+    check_serving_flags(config, f"export {d / 'config.json'}")
+    with safe_open(str(d / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+    shapes, optional = expected_shapes(config)
+    lacking = sorted(set(shapes) - names - optional)
+    extra = sorted(names - set(shapes))
+    if lacking or extra:
+        raise ExportError(f"export {d / 'model.safetensors'}: missing tensor(s) {lacking}, unexpected {extra}")
+    return config
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--summary", required=True, help="train/summary.json written by train_draft")
+    p.add_argument("--which", choices=["best", "last"], default="best")
+    p.add_argument("--verifier-name", required=True, help="the target name `vllm serve` is given")
+    p.add_argument("--num-speculative-tokens", type=int, required=True)
+    emb = p.add_mutually_exclusive_group()
+    emb.add_argument("--drop-embedding", dest="drop_embedding", action="store_true", default=True)
+    emb.add_argument("--keep-embedding", dest="drop_embedding", action="store_false")
+    p.add_argument("--out-dir", required=True)
+    args = p.parse_args(argv)
+    try:
+        info = export_draft(args.summary, args.which, args.verifier_name, args.num_speculative_tokens,
+                            args.drop_embedding, args.out_dir)
+    except ExportError as e:
+        raise SystemExit(f"export_draft: {e}") from None
+    print(f"exported {info['checkpoint']} -> {info['out_dir']} ({info['bytes']:,} bytes of weights)")
+    if args.drop_embedding:
+        print(f"embed_tokens left out: {info['embedding_bytes_saved']:,} bytes saved (vLLM shares the target's)")
+    print("serve with:", serve_command(args.verifier_name, str(Path(args.out_dir).resolve()), args.num_speculative_tokens))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
