@@ -1,0 +1,210 @@
+"""Report figures: training curves and data/extraction statistics, as SVG for `snakemake --report`.
+
+    python -m eaglepipe.plots --metrics train/metrics.jsonl --stats data/stats.json \
+        --manifest hidden_states/manifest.json --offline eval/offline.json \
+        --training-out report/training.svg --data-out report/data_stats.svg
+
+Every input key except the manifest's ``splits`` is optional: a missing series is left out of its
+panel (and said so in it), never an error. Malformed metrics lines are skipped, counted and listed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.ticker import FuncFormatter  # noqa: E402
+
+from .atomic import atomic_path  # noqa: E402
+from .shards import load_manifest  # noqa: E402
+
+ACC_KEY = re.compile(r"(?:full_)?acc_(\d+)")
+
+
+def read_metrics(path: str | Path) -> tuple[list[dict], list[int]]:
+    """Rows of metrics.jsonl and the line numbers that were not JSON objects (skipped)."""
+    rows, bad = [], []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                bad.append(n)
+                continue
+            if isinstance(row, dict):
+                rows.append(row)
+            else:
+                bad.append(n)
+    return rows, bad
+
+
+def read_json(path: str | Path) -> dict:
+    """An optional JSON object input; unreadable or not an object -> {} (the figure says what is missing)."""
+    try:
+        obj = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        print(f"plots: {path} not used ({e})")
+        return {}
+    return obj if isinstance(obj, dict) else {}
+
+
+def _num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def series(rows: list[dict], key: str) -> tuple[list, list]:
+    pts = [(r["step"], r[key]) for r in rows if _num(r.get("step")) and _num(r.get(key))]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def _empty(ax, what: str) -> None:
+    ax.text(0.5, 0.5, f"no {what} recorded", ha="center", va="center", transform=ax.transAxes, color="grey")
+
+
+def training_figure(rows: list[dict], offline: dict) -> Figure:
+    train = [r for r in rows if r.get("split", "train") == "train"]
+    evals = [r for r in rows if r.get("split") == "eval"]
+    fig, (ax_loss, ax_acc, ax_al) = plt.subplots(1, 3, figsize=(15, 4.2), layout="constrained")
+
+    x, y = series(train, "loss")
+    if x:
+        ax_loss.plot(x, y, color="C0", lw=1.2, label="train")
+    ex, ey = series(evals, "loss")
+    if ex:
+        ax_loss.plot(ex, ey, "o-", color="C3", ms=4, lw=1, label="eval")
+    if x or ex:
+        ax_loss.legend()
+    else:
+        _empty(ax_loss, "loss")
+    ax_loss.set(title="Loss (sum over TTT steps)", xlabel="optimizer step", ylabel="loss")
+
+    acc_keys = sorted({k for r in train for k in r if ACC_KEY.fullmatch(k)}, key=lambda k: int(ACC_KEY.fullmatch(k)[1]))
+    for k in acc_keys:
+        ax_acc.plot(*series(train, k), lw=1.2, label=f"draft token {int(ACC_KEY.fullmatch(k)[1]) + 1}")
+    if acc_keys:
+        ax_acc.legend(title="train accuracy")
+        ax_acc.set_ylim(0, 1)
+    else:
+        _empty(ax_acc, "per-step accuracy")
+    ax_acc.set(title="Accuracy per TTT step", xlabel="optimizer step", ylabel="top-1 accuracy")
+
+    x, y = series(evals, "acceptance_length")
+    if x:
+        ax_al.plot(x, y, "o-", color="C2", ms=4, label="eval (offline estimate)")
+        ax_al.annotate(f"{y[0]:.2f}", (x[0], y[0]), textcoords="offset points", xytext=(4, 6), fontsize=8)
+        ax_al.annotate(f"{y[-1]:.2f}", (x[-1], y[-1]), textcoords="offset points", xytext=(-10, 6), fontsize=8)
+    final = offline.get("acceptance_length")
+    if _num(final):
+        ax_al.axhline(final, color="k", ls="--", lw=1, label=f"exported draft: {final:.2f}")
+    if x or _num(final):
+        ax_al.axhline(1.0, color="grey", lw=0.8, ls=":")
+        ax_al.legend()
+    else:
+        _empty(ax_al, "acceptance length")
+    k = offline.get("k")
+    ax_al.set(title="Acceptance length" + (f" (K={k}, bonus token counted)" if k else ""),
+              xlabel="optimizer step", ylabel="tokens per target step")
+    return fig
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def skip_reasons(stats: dict) -> dict:
+    """{reason: n} from ``skipped_by_reason`` or a dict-valued ``skipped``; a bare count -> {"total": n}."""
+    for key in ("skipped_by_reason", "skipped"):
+        value = stats.get(key)
+        if isinstance(value, dict):
+            return {str(r): n for r, n in sorted(value.items()) if _num(n)}
+    return {"total": stats["skipped"]} if _num(stats.get("skipped")) else {}
+
+
+def data_figure(stats: dict, manifest: dict) -> Figure:
+    fig, (ax_keep, ax_tok, ax_bytes) = plt.subplots(1, 3, figsize=(15, 4.2), layout="constrained")
+
+    bars = ([("kept", stats["kept"])] if _num(stats.get("kept")) else []) + [
+        (f"skipped: {reason}", n) for reason, n in skip_reasons(stats).items()]
+    if bars:
+        labels, values = zip(*bars)
+        colors = ["C2"] + ["C3"] * (len(bars) - 1) if _num(stats.get("kept")) else ["C3"] * len(bars)
+        ax_keep.barh(labels, values, color=colors)
+        ax_keep.invert_yaxis()
+        for i, v in enumerate(values):
+            ax_keep.text(v, i, f" {v:,}", va="center", fontsize=8)
+        ax_keep.margins(x=0.2)
+    else:
+        _empty(ax_keep, "kept/skipped counts")
+    read = stats.get("read")
+    ax_keep.set(title="Conversations" + (f" ({read:,} read)" if _num(read) else ""), xlabel="conversations")
+
+    splits = manifest.get("splits", {})
+    names = sorted(splits, key=lambda n: ({"train": 0, "eval": 1}.get(n, 2), n))
+    tokens = [splits[s].get("tokens", 0) for s in names]
+    nbytes = [splits[s].get("bytes", 0) for s in names]
+    ax_tok.bar(names, tokens, color="C0")
+    for i, t in enumerate(tokens):
+        ax_tok.text(i, t, f"{t:,}", ha="center", va="bottom", fontsize=8)
+    ax_tok.set(title="Tokens per split", ylabel="tokens")
+    ax_bytes.bar(names, nbytes, color="C1")
+    for i, (b, t) in enumerate(zip(nbytes, tokens)):
+        per_tok = f"\n{b / t:,.0f} B/token" if t else ""
+        ax_bytes.text(i, b, f"{_human_bytes(b)}{per_tok}", ha="center", va="bottom", fontsize=8)
+    ax_bytes.margins(y=0.2)
+    ax_bytes.yaxis.set_major_formatter(FuncFormatter(lambda v, _: _human_bytes(v)))
+    ax_bytes.set(title="Hidden states on disk")
+    tp = manifest.get("throughput") if isinstance(manifest.get("throughput"), dict) else {}
+    if _num(tp.get("tokens_per_s")):
+        line = f"Hidden-state extraction: {tp['tokens_per_s']:,.0f} tokens/s"
+        if _num(tp.get("seconds")):
+            line += f" over {tp['seconds']:,.1f} s"
+        if _num(tp.get("model_load_s")):
+            line += f" (+ {tp['model_load_s']:,.1f} s model load)"
+        fig.suptitle(line)
+    return fig
+
+
+def save_svg(fig: Figure, path: str | Path) -> None:
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="svg")
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--metrics", required=True, help="train/metrics.jsonl")
+    p.add_argument("--stats", required=True, help="data/stats.json")
+    p.add_argument("--manifest", required=True, help="hidden_states/manifest.json")
+    p.add_argument("--offline", required=True, help="eval/offline.json")
+    p.add_argument("--training-out", required=True)
+    p.add_argument("--data-out", required=True)
+    args = p.parse_args(argv)
+    try:
+        rows, bad = read_metrics(args.metrics)
+        manifest = load_manifest(args.manifest)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"plots: {e}") from None
+    if bad:
+        shown = ", ".join(map(str, bad[:10])) + (" ..." if len(bad) > 10 else "")
+        print(f"plots: skipped {len(bad)} malformed line(s) of {args.metrics}: line {shown}")
+    print(f"plots: {len(rows)} metrics rows")
+    save_svg(training_figure(rows, read_json(args.offline)), args.training_out)
+    save_svg(data_figure(read_json(args.stats), manifest), args.data_out)
+    print(f"plots: wrote {args.training_out} and {args.data_out}")
+
+
+if __name__ == "__main__":
+    main()

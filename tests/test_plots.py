@@ -1,0 +1,108 @@
+"""plots: report SVGs from metrics, data stats and the manifest; tolerant of missing optional keys."""
+
+import json
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from eaglepipe import plots
+from eaglepipe.shards import write_manifest
+
+
+def write_inputs(d, metrics_rows, stats, manifest, offline, junk_lines=()):
+    d.mkdir(parents=True, exist_ok=True)
+    lines = [json.dumps(r) for r in metrics_rows] + list(junk_lines)
+    (d / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    (d / "stats.json").write_text(json.dumps(stats))
+    write_manifest(d / "manifest.json", manifest)
+    (d / "offline.json").write_text(json.dumps(offline))
+    return [f"--metrics={d / 'metrics.jsonl'}", f"--stats={d / 'stats.json'}", f"--manifest={d / 'manifest.json'}",
+            f"--offline={d / 'offline.json'}", f"--training-out={d / 'out' / 'training.svg'}",
+            f"--data-out={d / 'out' / 'data_stats.svg'}"]
+
+
+def full_set():
+    rows = [{"step": 0, "split": "eval", "loss": 9.0, "acceptance_length": 1.01}]
+    for s in range(1, 41):
+        rows.append({"step": s, "split": "train", "loss": 9.0 / (1 + 0.1 * s), "lr": 3e-4, "tokens_per_s": 900.0,
+                     **{f"acc_{k}": min(1.0, 0.02 * s / (k + 1)) for k in range(3)}})
+        if s % 20 == 0:
+            rows.append({"step": s, "split": "eval", "loss": 9.0 / (1 + 0.1 * s), "acceptance_length": 1.0 + s / 40})
+    stats = {"read": 100, "kept": 90, "skipped": 10, "skipped_by_reason": {"no_assistant": 7, "empty": 3}}
+    manifest = {"layer_ids": [2, 3, 5, 6], "target": {"model": "t"}, "shard_dir": "shards",
+                "splits": {"train": {"samples": 85, "tokens": 20000, "bytes": 20000 * 512},
+                           "eval": {"samples": 5, "tokens": 1000, "bytes": 1000 * 512}},
+                "throughput": {"tokens": 21000, "seconds": 7.0, "tokens_per_s": 3000.0, "model_load_s": 1.5}}
+    offline = {"acceptance_length": 1.93, "k": 3}
+    return rows, stats, manifest, offline
+
+
+def svg_texts(path):
+    root = ET.parse(path).getroot()  # parses: well-formed SVG
+    assert root.tag.endswith("svg")
+    return path.read_text()
+
+
+def test_full_inputs(tmp_path, capsys):
+    args = write_inputs(tmp_path, *full_set(), junk_lines=['{"step": 41, "loss"'])
+    plots.main(args)
+    out = tmp_path / "out"
+    for name in ("training.svg", "data_stats.svg"):
+        assert (out / name).stat().st_size > 10_000
+        svg_texts(out / name)
+    assert not list(out.glob(".tmp-*"))
+    printed = capsys.readouterr().out
+    assert "skipped 1 malformed line(s)" in printed and "line 44" in printed
+    # matplotlib writes text as glyph paths; the element ids keep the series labels
+    training = (out / "training.svg").read_text()
+    assert training.count("<path") > 50
+
+
+def test_figures_as_png(tmp_path):
+    """PNG renderings (kept in the test's tmp dir) to look at the figures by eye."""
+    rows, stats, manifest, offline = full_set()
+    for name, fig in (("training.png", plots.training_figure(rows, offline)),
+                      ("data_stats.png", plots.data_figure(stats, manifest))):
+        texts = {t.get_text() for ax in fig.axes for t in ax.texts} | {ax.get_title() for ax in fig.axes}
+        fig.savefig(tmp_path / name, dpi=60)
+        assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+        if name == "training.png":
+            assert {"1.01", "2.00"} <= texts  # untrained step-0 and last eval AL annotated
+            labels = [t.get_text() for t in fig.axes[1].get_legend().get_texts()]
+            assert labels == ["draft token 1", "draft token 2", "draft token 3"]
+            assert "exported draft: 1.93" in [t.get_text() for t in fig.axes[2].get_legend().get_texts()]
+        else:
+            assert "Conversations (100 read)" in texts
+            assert "3,000 tokens/s over 7.0 s" in fig.get_suptitle()
+            assert "20,000" in texts and any("512 B/token" in t for t in texts)
+            labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
+            assert labels == ["kept", "skipped: empty", "skipped: no_assistant"]
+
+
+def test_missing_optional_keys(tmp_path):
+    rows = [{"step": 1, "loss": 3.0}, {"step": 2}, {"split": "eval"}, {"step": 3, "split": "eval"}]
+    manifest = {"layer_ids": [2, 6], "target": {}, "shard_dir": "s", "splits": {"train": {}}}
+    plots.main(write_inputs(tmp_path, rows, {}, manifest, {}))
+    for name in ("training.svg", "data_stats.svg"):
+        assert (tmp_path / "out" / name).stat().st_size > 5_000
+
+    fig = plots.training_figure([], {})
+    assert [t.get_text() for t in fig.axes[2].texts] == ["no acceptance length recorded"]
+    fig = plots.data_figure({"kept": 5, "skipped": 2}, manifest)
+    assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == ["kept", "skipped: total"]
+
+
+def test_unreadable_optional_inputs_are_reported(tmp_path, capsys):
+    args = write_inputs(tmp_path, *full_set())
+    (tmp_path / "offline.json").write_text("not json")
+    (tmp_path / "stats.json").write_text("[1, 2]")
+    plots.main(args)
+    assert "offline.json not used" in capsys.readouterr().out
+    assert (tmp_path / "out" / "training.svg").is_file()
+
+
+def test_bad_manifest_is_a_clear_error(tmp_path):
+    args = write_inputs(tmp_path, *full_set())
+    (tmp_path / "manifest.json").write_text('{"splits": {}}')
+    with pytest.raises(SystemExit, match=r"plots: manifest .*manifest.json: missing key 'layer_ids'"):
+        plots.main(args)
