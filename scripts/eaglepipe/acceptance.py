@@ -1,0 +1,157 @@
+"""Offline acceptance-length estimate by greedy chain replay on stored hidden states.
+
+Coordinates are those of a shifted packed row (packed_data): position t holds token x_{t+1} and
+the target's final state y_{t+1}, whose greedy token A[t] is the target's choice for x_{t+2}.
+Draft step k at anchor t predicts A[t+k]. Speculators' TTT feeds the data token x_{t+k+1} as the
+step-k input, which is what serving feeds only if it equals the target's greedy token A[t+k-1]:
+the chain is replayed while that holds and stops where the data leaves the greedy path (a
+conditional estimate; with greedy-regenerated data it never stops early).
+
+The chain logic works on [anchors, K] boolean tensors and returns raw counts, summed over rows
+and ranks before any ratio is taken, so the result does not depend on how rows are batched.
+"""
+
+from __future__ import annotations
+
+import torch
+
+CONVENTION = ("acceptance_length = 1 + mean number of accepted draft tokens per anchor position "
+              "(the target's bonus token counted, as vLLM and SGLang report it); greedy top-1 chain of k draft "
+              "tokens; per_position_acceptance[k] = P(step k accepted | steps < k accepted); "
+              "accuracy_per_position[k] = P(step k correct) with teacher-forced inputs")
+REFERENCE = ("target greedy token = argmax over the full target vocabulary of lm_head(final_norm(stored "
+             "final-layer state)); a chain stops where the data token differs from it or the assistant "
+             "span ends, so the estimate is conditional on the data path")
+
+
+def chain_counts(hit: torch.Tensor, evaluable: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Raw counts from [N, K] booleans: ``hit`` = draft step k equals the target's greedy token,
+    ``evaluable`` = step k can be replayed faithfully, ``valid`` = step k's token is scored at all.
+
+    An anchor is a row whose step 0 is evaluable; its accepted length is the number of leading
+    steps that are evaluable and hit. ``chains_cut`` counts anchors whose chain was still accepted
+    when it reached a scored step it could not replay (the data left the target's greedy path).
+    """
+    ok = (hit & evaluable).long()
+    alive = torch.cumprod(ok, dim=1)  # [N, K]: steps 0..k all accepted
+    before = torch.cat([torch.ones_like(alive[:, :1]), alive[:, :-1]], dim=1).bool()  # steps < k accepted
+    anchors = evaluable[:, 0]
+    reach = before & evaluable
+    return {
+        "anchors": anchors.sum(),
+        "accepted": alive.sum(),
+        "chains_cut": (anchors & (before & valid & ~evaluable).any(dim=1)).sum(),
+        "reach": reach.sum(dim=0),
+        "reach_hit": (reach & hit).sum(dim=0),
+        "valid": valid.sum(dim=0),
+        "valid_hit": (valid & hit).sum(dim=0),
+    }
+
+
+def add_counts(total: dict | None, counts: dict) -> dict:
+    if total is None:
+        return {k: v.detach().clone() for k, v in counts.items()}
+    for k, v in counts.items():
+        total[k] += v
+    return total
+
+
+def summarize(counts: dict) -> dict:
+    """Ratios from summed counts."""
+    def ratio(a, b):
+        return [round(float(x) / float(y), 6) if float(y) else None for x, y in zip(a, b, strict=True)]
+
+    anchors = int(counts["anchors"])
+    return {
+        "acceptance_length": round(1.0 + float(counts["accepted"]) / anchors, 6) if anchors else None,
+        "k": int(counts["reach"].numel()),
+        "per_position_acceptance": ratio(counts["reach_hit"], counts["reach"]),
+        "accuracy_per_position": ratio(counts["valid_hit"], counts["valid"]),
+        "anchors": anchors,
+        "chains_cut": int(counts["chains_cut"]),
+        "convention": CONVENTION,
+        "reference": REFERENCE,
+    }
+
+
+def anchor_tensors(draft_ids: torch.Tensor, greedy: torch.Tensor, input_ids: torch.Tensor,
+                   loss_mask: torch.Tensor, document_ids: torch.Tensor):
+    """[T, K] hit / evaluable / valid for one shifted row.
+
+    draft_ids [K, T]: step-k draft token (target vocabulary) at anchor t; greedy [T]: A;
+    input_ids, loss_mask, document_ids [T] of the shifted row.
+    """
+    K, T = draft_ids.shape
+    pad = torch.full((K,), -1, dtype=torch.long, device=greedy.device)
+    doc = torch.cat([document_ids.long(), pad])
+    mask = torch.cat([loss_mask.bool(), torch.zeros(K, dtype=torch.bool, device=greedy.device)])
+    A = torch.cat([greedy.long(), pad])
+    nxt = torch.cat([input_ids.long(), pad])
+    t = torch.arange(T, device=greedy.device)
+    # the data token after position j is the target's greedy token: A[j] == x_{j+2} == input_ids[j+1]
+    on_path = (nxt[t + 1] == A[t]) & (doc[t + 1] == doc[t])
+    on_path = torch.cat([on_path, on_path.new_zeros(K)])
+    hit, valid, evaluable = [], [], []
+    faithful = torch.ones(T, dtype=torch.bool, device=greedy.device)
+    for k in range(K):
+        if k:
+            faithful = faithful & on_path[t + k - 1]
+        v = (doc[t + k] == doc[t]) & mask[t + k]
+        hit.append(draft_ids[k] == A[t + k])
+        valid.append(v)
+        evaluable.append(v & faithful)
+    return torch.stack(hit, 1), torch.stack(evaluable, 1), torch.stack(valid, 1)
+
+
+def greedy_tokens(model, final_states: torch.Tensor, head: torch.Tensor, chunk: int = 512) -> torch.Tensor:
+    """Target greedy tokens [T] from final pre-norm states [T, H]: the draft's copy of the target's
+    final norm, then the full-vocabulary lm_head, in chunks to bound memory."""
+    out = []
+    for s in range(0, final_states.shape[0], chunk):
+        x = model.verifier_norm(final_states[s:s + chunk].to(head.dtype))
+        out.append((x @ head.T).argmax(dim=-1))
+    return torch.cat(out)
+
+
+@torch.no_grad()
+def evaluate_rows(model, rows, head: torch.Tensor, k: int, loss_config, ttt_step_loss_decay: float = 1.0,
+                  device: torch.device | str = "cpu") -> dict:
+    """Summed counts over rows: chain counts, tokens, and speculators' loss and per-step accuracy
+    (its ``full_acc_k``: steps 0..k all correct over scored tokens, teacher-forced, draft vocabulary)."""
+    was_training = model.training
+    model.eval()
+    total = None
+    for batch in rows:
+        b = {key: batch[key].to(device) for key in
+             ("hidden_states", "input_ids", "document_ids", "loss_mask", "position_ids", "verifier_last_hidden_states")}
+        draft_tokens, loss, metrics = model(**b, ttt_steps=k, ttt_step_loss_decay=ttt_step_loss_decay,
+                                            loss_config=loss_config)
+        drafts = torch.cat(draft_tokens, dim=0)  # [K, T] in the draft vocabulary
+        if model.d2t is not None:
+            drafts = drafts + model.d2t[drafts]
+        greedy = greedy_tokens(model, b["verifier_last_hidden_states"][0], head)
+        hit, evaluable, valid = anchor_tensors(drafts, greedy, b["input_ids"][0], b["loss_mask"][0],
+                                               b["document_ids"][0])
+        counts = chain_counts(hit, evaluable, valid)
+        scored = b["loss_mask"].sum().double()
+        counts["tokens"] = torch.tensor(b["input_ids"].shape[1], dtype=torch.long, device=device)
+        counts["loss_weighted"] = loss.detach().double() * scored
+        counts["loss_weight"] = scored
+        counts["acc_correct"] = torch.stack([metrics[f"full_acc_{s}_sum"] for s in range(k)]).double()
+        counts["acc_total"] = torch.stack([metrics[f"full_acc_{s}_total"] for s in range(k)]).double()
+        total = add_counts(total, counts)
+    model.train(was_training)
+    if total is None:
+        raise SystemExit("evaluation: the split produced no rows")
+    return total
+
+
+def eval_metrics(counts: dict) -> dict:
+    """Everything a report needs from summed ``evaluate_rows`` counts."""
+    out = summarize(counts)
+    out["tokens_evaluated"] = int(counts["tokens"])
+    w = float(counts["loss_weight"])
+    out["loss"] = round(float(counts["loss_weighted"]) / w, 6) if w else None
+    for s, (c, n) in enumerate(zip(counts["acc_correct"], counts["acc_total"], strict=True)):
+        out[f"acc_{s}"] = round(float(c) / float(n), 6) if float(n) else None
+    return out

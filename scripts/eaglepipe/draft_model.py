@@ -1,0 +1,127 @@
+"""The EAGLE-3 draft: speculators' ``Eagle3DraftModel`` built for a target, and loaded back for evaluation.
+
+Heavy imports (speculators takes ~17 s to import) happen inside the functions, so CLIs that only
+parse flags or validate inputs stay quick.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+# The one place the norm flags are chosen. vLLM 0.26.0 honours all four (algos.py update_eagle3 and
+# llama_eagle3.py, read from its wheel), so speculators 0.9.0's eagle3 defaults train what vLLM serves.
+NORM_FLAGS = {"norm_before_residual": True, "norm_before_fc": True, "fc_norm": False, "norm_output": True}
+NUM_DRAFT_LAYERS = 1
+
+
+def attn_impl_for(device: torch.device | str) -> str:
+    """sdpa on CPU (flex attention has no CPU backward); speculators' compiled flex attention on CUDA."""
+    return "simple_flex_attention" if torch.device(device).type == "cuda" else "sdpa"
+
+
+def _is_mla(cfg) -> bool:
+    return getattr(cfg, "kv_lora_rank", None) is not None or getattr(cfg, "qk_rope_head_dim", None) is not None
+
+
+def draft_layer_config(target: str | Path, trust_remote_code: bool = False):
+    """Llama decoder config for the 1-layer draft, full attention (no sliding window).
+
+    Speculators derives it from the target. For MLA targets (DeepseekV3 / Kimi) its head_dim
+    aliases qk_rope_head_dim (64, a rope detail, not a head width), so we set head_dim =
+    hidden / heads and KV heads = heads (a plain multi-head layer of the target's width, as
+    SpecForge's Kimi-K2.5 recipe: 64 x 112, 64 KV heads) and keep the dense FFN width (18432
+    for Kimi, also SpecForge's choice).
+    """
+    from speculators.train.cli import create_transformer_layer_config
+    from transformers import AutoConfig
+
+    cfg = create_transformer_layer_config(
+        str(target), num_layers=NUM_DRAFT_LAYERS, draft_arch="llama", hidden_act=None,
+        sliding_window=None, full_attention_indices=list(range(NUM_DRAFT_LAYERS)),
+        trust_remote_code=trust_remote_code,
+    )
+    tcfg = AutoConfig.from_pretrained(str(target), trust_remote_code=trust_remote_code)
+    tcfg = tcfg.get_text_config()
+    if _is_mla(tcfg):
+        if tcfg.hidden_size % tcfg.num_attention_heads:
+            raise ValueError(f"target {target}: hidden_size {tcfg.hidden_size} is not divisible by "
+                             f"num_attention_heads {tcfg.num_attention_heads}; give the draft shape explicitly")
+        cfg.head_dim = tcfg.hidden_size // tcfg.num_attention_heads
+        cfg.num_key_value_heads = tcfg.num_attention_heads
+        cfg.intermediate_size = tcfg.intermediate_size
+    cfg.sliding_window = None
+    cfg.use_sliding_window = False
+    cfg.layer_types = ["full_attention"] * NUM_DRAFT_LAYERS
+    return cfg
+
+
+def load_vocab_mapping(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t int64 [V_draft], t2d bool [V_target]) from vocab_mapping.safetensors."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            keys = set(f.keys())
+            missing = {"d2t", "t2d"} - keys
+            if missing:
+                raise SystemExit(f"vocab mapping {path}: missing tensor(s) {sorted(missing)} (has {sorted(keys)})")
+            d2t, t2d = f.get_tensor("d2t").long(), f.get_tensor("t2d").bool()
+    except OSError as e:
+        raise SystemExit(f"vocab mapping {path}: cannot be read ({e})") from e
+    if int(t2d.sum()) != d2t.numel():
+        raise SystemExit(f"vocab mapping {path}: t2d selects {int(t2d.sum())} tokens but d2t has "
+                         f"{d2t.numel()} entries; they must agree")
+    return d2t, t2d
+
+
+def build_draft(target: str | Path, aux_layer_ids: list[int], vocab_mapping: str | Path, ttt_steps: int,
+                device: torch.device | str = "cpu", trust_remote_code: bool = False):
+    """A fresh draft for ``target``: aux ids from the manifest, draft vocab from the mapping.
+
+    Embeddings, the draft lm_head (target lm_head rows of t2d) and the verifier's final norm are
+    loaded from the target's safetensors by speculators (frozen); fc and the decoder layer train.
+    """
+    from speculators.models.eagle3 import Eagle3DraftModel
+
+    d2t, t2d = load_vocab_mapping(vocab_mapping)
+    layer_cfg = draft_layer_config(target, trust_remote_code)
+    if t2d.numel() != layer_cfg.vocab_size:
+        raise SystemExit(f"vocab mapping {vocab_mapping}: t2d covers {t2d.numel()} tokens but target "
+                         f"{target} has vocab_size {layer_cfg.vocab_size}")
+    model = Eagle3DraftModel.from_training_args(
+        layer_cfg, t2d=t2d, d2t=d2t, verifier_name_or_path=str(target), target_layer_ids=list(aux_layer_ids),
+        draft_vocab_size=int(d2t.numel()), ttt_steps=ttt_steps, draft_attn_impl=attn_impl_for(device),
+        trust_remote_code=trust_remote_code, **NORM_FLAGS,
+    )
+    return model.to(device)
+
+
+def load_draft(draft_dir: str | Path, target: str | Path, device: torch.device | str = "cpu"):
+    """Load a saved or exported draft in float32 for evaluation.
+
+    The exported config names the deploy-time verifier (a hub id this machine may not have), so
+    the verifier path is pointed at the local target; an absent ``embed_tokens.weight`` (dropped
+    at export, vLLM shares the target's) is filled from the target by speculators' loader.
+    """
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+
+    draft_dir = Path(draft_dir)
+    for name in ("config.json", "model.safetensors"):
+        if not (draft_dir / name).is_file():
+            raise SystemExit(f"draft {draft_dir}: {name} is missing")
+    config = Eagle3SpeculatorConfig.from_pretrained(str(draft_dir))
+    config.speculators_config.verifier.name_or_path = str(target)
+    config.transformer_layer_config._attn_implementation = attn_impl_for(device)  # noqa: SLF001
+    model = Eagle3DraftModel.from_pretrained(str(draft_dir), config=config, dtype=torch.float32)
+    if torch.isnan(model.embed_tokens.weight).any():
+        raise SystemExit(f"draft {draft_dir}: embed_tokens could not be filled from target {target}")
+    return model.to(device).eval()
+
+
+def load_target_head(target: str | Path) -> torch.Tensor:
+    """The target's full-vocabulary lm_head weight [V, H] (tied models: the embedding)."""
+    from speculators.utils.loading import load_model_layers
+
+    w = load_model_layers(["embed_tokens.weight", "lm_head.weight"], str(target))
+    return w.get("lm_head.weight", w["embed_tokens.weight"]).float()

@@ -1,0 +1,162 @@
+"""Packed training rows from hidden-state shards, read through the manifest only.
+
+A row holds whole samples packed end to end, at most ``batch_tokens`` tokens (a longer sample gets
+a row of its own, truncated, and is counted). Rows come out as speculators' batch dict after its
+``shift_batch`` (per sample), so position t holds token x_{t+1}, aux states g_t and the final
+state y_{t+1}; position ids restart at 1 in every sample and ``document_ids`` keep samples from
+attending to each other.
+
+Nothing is read at start-up: an epoch's plan (shard order, sample order inside a shard, packing)
+is computed lazily from the manifest, a shard's ``offsets`` are read only when the plan reaches
+it, and its hidden states only when one of this rank's rows needs them. The plan depends on
+(seed, epoch) only, never on the world size: the position is the global row index, and each step
+consumes ``world_size`` consecutive rows (rank r takes the r-th), so a resumed run may use a
+different world size.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import torch
+from safetensors import safe_open
+
+from .shards import Shard, read_shard, shard_paths
+
+log = logging.getLogger(__name__)
+
+Row = list[tuple[int, int, int]]  # (shard index, sample index in the shard, tokens used)
+
+
+class PackedRows:
+    def __init__(self, manifest: dict, split: str, batch_tokens: int, seed: int = 0, shuffle: bool = True,
+                 rank: int = 0, world_size: int = 1, dtype: torch.dtype = torch.float32):
+        if batch_tokens < 2:
+            raise ValueError(f"batch_tokens {batch_tokens}: need at least 2 (one shifted token)")
+        self.shards = shard_paths(manifest, split)
+        if not self.shards:
+            raise SystemExit(f"manifest {manifest.get('_path')}: split {split!r} has no shards")
+        self.split = split
+        self.num_layers = len(manifest["layer_ids"])
+        self.batch_tokens = batch_tokens
+        self.seed, self.shuffle = seed, shuffle
+        self.rank, self.world_size = rank, world_size
+        self.dtype = dtype
+        self._offsets: dict[int, torch.Tensor] = {}
+        self._cached: tuple[int, Shard] | None = None
+        self.truncated: set[tuple[int, int]] = set()
+        self.too_short: set[tuple[int, int]] = set()
+
+    # ------------------------------------------------------------------ plan
+    def _generator(self, *key: int) -> torch.Generator:
+        g = torch.Generator()
+        g.manual_seed(hash((self.seed, *key)) & 0x7FFFFFFF)  # tuple-of-int hash is stable across runs
+        return g
+
+    def offsets(self, si: int) -> torch.Tensor:
+        if si not in self._offsets:
+            path = self.shards[si][0]
+            try:
+                with safe_open(str(path), framework="pt") as f:
+                    self._offsets[si] = f.get_tensor("offsets")
+            except (OSError, ValueError) as e:
+                raise SystemExit(f"shard {path}: cannot be read ({e}); rerun extraction") from e
+        return self._offsets[si]
+
+    def plan(self, epoch: int) -> Iterator[Row]:
+        """The epoch's rows in order (global, the same on every rank)."""
+        n = len(self.shards)
+        order = torch.randperm(n, generator=self._generator(epoch)) if self.shuffle else torch.arange(n)
+        row: Row = []
+        used = 0
+        for si in order.tolist():
+            lengths = self.offsets(si).diff()
+            samples = (torch.randperm(len(lengths), generator=self._generator(epoch, si))
+                       if self.shuffle else torch.arange(len(lengths)))
+            for b in samples.tolist():
+                length = int(lengths[b])
+                if length < 2:  # nothing left after the shift
+                    self.too_short.add((si, b))
+                    continue
+                if length > self.batch_tokens:
+                    self.truncated.add((si, b))
+                    length = self.batch_tokens
+                if row and used + length > self.batch_tokens:
+                    yield row
+                    row, used = [], 0
+                row.append((si, b, length))
+                used += length
+        if row:
+            yield row
+
+    # ------------------------------------------------------------------ iteration
+    def batches(self, epoch: int = 0, index: int = 0) -> Iterator[tuple[tuple[int, int], dict]]:
+        """Endless training stream from position (epoch, index): yields (next position, batch).
+
+        Each yield consumes world_size rows; an epoch's last rows that cannot fill every rank are
+        dropped so all ranks step together.
+        """
+        while True:
+            group: list[Row] = []
+            produced = False
+            for i, row in enumerate(self.plan(epoch)):
+                if i < index:
+                    continue
+                group.append(row)
+                if len(group) == self.world_size:
+                    produced = True
+                    yield (epoch, i + 1), self.materialize(group[self.rank])
+                    group = []
+            if not produced and index == 0:
+                raise SystemExit(f"split {self.split!r}: fewer packed rows per epoch than ranks "
+                                 f"({self.world_size}); lower batch_tokens or the number of GPUs")
+            self.report()
+            epoch, index = epoch + 1, 0
+
+    def once(self) -> Iterator[dict]:
+        """One pass over the split; this rank's share (rows i with i % world_size == rank)."""
+        for i, row in enumerate(self.plan(0)):
+            if i % self.world_size == self.rank:
+                yield self.materialize(row)
+        self.report()
+
+    def report(self) -> None:
+        if self.truncated or self.too_short:
+            log.warning("split %s: %d sample(s) longer than batch_tokens=%d truncated to it, %d sample(s) "
+                        "shorter than 2 tokens skipped", self.split, len(self.truncated), self.batch_tokens,
+                        len(self.too_short))
+
+    # ------------------------------------------------------------------ tensors
+    def _shard(self, si: int) -> Shard:
+        if self._cached is None or self._cached[0] != si:
+            path = self.shards[si][0]
+            shard = read_shard(path)
+            if shard.hidden_states.shape[1] != self.num_layers:
+                raise SystemExit(f"shard {path}: hidden_states has {shard.hidden_states.shape[1]} layers, "
+                                 f"the manifest lists {self.num_layers} layer ids")
+            self._cached = (si, shard)
+        return self._cached[1]
+
+    def materialize(self, row: Row) -> dict:
+        from speculators.models.eagle3.data import shift_batch
+
+        parts = []
+        for si, b, length in row:
+            sample = self._shard(si).sample(b)
+            hs = sample["hidden_states"][:length].to(self.dtype)
+            parts.append(shift_batch({
+                "input_ids": sample["input_ids"][:length].long(),
+                "hidden_states": hs[:, :-1].reshape(length, -1),
+                "verifier_last_hidden_states": hs[:, -1],
+                "loss_mask": sample["loss_mask"][:length].long(),
+                "lengths": torch.tensor([length]),
+                "position_ids": torch.arange(length),
+            }))
+        lengths = torch.cat([p["lengths"] for p in parts])
+        batch = {key: torch.cat([p[key] for p in parts]).unsqueeze(0)
+                 for key in ("input_ids", "hidden_states", "verifier_last_hidden_states", "loss_mask", "position_ids")}
+        batch["lengths"] = lengths
+        batch["document_ids"] = torch.repeat_interleave(torch.arange(len(parts)), lengths).unsqueeze(0)
+        return batch
+

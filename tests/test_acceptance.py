@@ -1,0 +1,126 @@
+"""The offline acceptance-length estimator: chain logic on hand-built cases, batch-size invariance,
+and the TTT/target alignment on real tiny-target shards (an off-by-one cannot reach accuracy 1)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_packed_data import make_run
+
+from eaglepipe.acceptance import add_counts, anchor_tensors, chain_counts, evaluate_rows, summarize
+
+B = torch.tensor
+
+
+def bools(rows):
+    return B(rows, dtype=torch.bool)
+
+
+def test_chain_lengths_on_hand_built_cases():
+    hit = bools([[1, 1, 1], [1, 0, 1], [0, 1, 1], [1, 1, 0], [1, 1, 1]])
+    evaluable = bools([[1, 1, 1], [1, 1, 1], [1, 1, 1], [1, 1, 1], [1, 0, 1]])  # last: cut after step 0
+    c = chain_counts(hit, evaluable, torch.ones_like(hit))  # every step scored; anchor 4 left the greedy path
+    # accepted per anchor: 3, 1, 0, 2, 1 -> mean 7/5
+    s = summarize(c)
+    assert s["anchors"] == 5 and s["acceptance_length"] == pytest.approx(1 + 7 / 5)
+    assert s["chains_cut"] == 1
+    # step 0: 4/5 hit; step 1 reached by anchors 0,1,3 (anchor 4 is not evaluable): 2/3; step 2: anchors 0,3 -> 1/2
+    assert s["per_position_acceptance"] == pytest.approx([4 / 5, 2 / 3, 1 / 2])
+    # unconditional accuracy over scored positions
+    assert s["accuracy_per_position"] == pytest.approx([4 / 5, 4 / 5, 4 / 5])
+    assert s["k"] == 3 and "bonus" in s["convention"]
+
+
+def test_no_anchor_and_non_anchor_rows():
+    hit = bools([[1, 1], [1, 1]])
+    evaluable = bools([[0, 1], [0, 0]])  # step 0 not evaluable: not an anchor, accepts nothing
+    s = summarize(chain_counts(hit, evaluable, evaluable))
+    assert s["anchors"] == 0 and s["acceptance_length"] is None
+
+
+def test_batch_size_invariant():
+    g = torch.Generator().manual_seed(0)
+    hit = torch.rand(101, 4, generator=g) < 0.7
+    evaluable = torch.rand(101, 4, generator=g) < 0.9
+    whole = summarize(chain_counts(hit, evaluable, evaluable))
+    for size in (1, 7, 50):
+        total = None
+        for s in range(0, 101, size):
+            total = add_counts(total, chain_counts(hit[s:s + size], evaluable[s:s + size], evaluable[s:s + size]))
+        assert summarize(total) == whole
+
+
+def test_anchor_tensors_shift_and_data_off_greedy_path():
+    # one document of 6 shifted positions, all scored; A[t] = greedy token predicted at t
+    A = B([10, 11, 12, 13, 14, 15])
+    x = B([9, 10, 11, 99, 13, 14])  # data follows A except x[3] = 99 != A[2] = 12
+    doc = torch.zeros(6, dtype=torch.long)
+    mask = torch.ones(6, dtype=torch.long)
+    drafts = torch.stack([A, torch.cat([A[1:], B([-5])]), torch.cat([A[2:], B([-5, -5])])])  # perfect draft
+    hit, evaluable, valid = anchor_tensors(drafts, A, x, mask, doc)
+    assert hit[:4].all()  # draft step k at t equals A[t+k]
+    # step k >= 1 at anchor t is faithful only if x[t+m] == A[t+m-1] for m = 1..k: x[3] breaks anchors 1 and 2
+    assert evaluable[:, 1].tolist() == [True, True, False, True, True, False]
+    assert evaluable[:, 2].tolist() == [True, False, False, True, False, False]
+    s = summarize(chain_counts(hit, evaluable, valid))
+    # accepted: t0 3, t1 2 (cut before step 2), t2 1 (cut), t3 3, t4 2 (row ends), t5 1 (row ends)
+    assert s["acceptance_length"] == pytest.approx(1 + 12 / 6)
+    assert s["chains_cut"] == 2  # only the off-path cuts, not the ends of the response
+
+
+def test_anchor_tensors_respect_documents_and_loss_mask():
+    A = B([1, 2, 3, 4])
+    x = B([0, 1, 2, 3])
+    doc = B([0, 0, 1, 1])
+    mask = B([1, 1, 1, 0])
+    drafts = torch.stack([A, torch.cat([A[1:], B([0])])])
+    _, evaluable, valid = anchor_tensors(drafts, A, x, mask, doc)
+    assert valid[:, 0].tolist() == [True, True, True, False]
+    assert valid[:, 1].tolist() == [True, False, False, False]  # t1+1 is another document, t2+1 unscored
+
+
+class Oracle(torch.nn.Module):
+    """Wraps a real draft; its step-k token at anchor t is the data token ``shift`` positions ahead."""
+
+    def __init__(self, draft, t2d_index, shift):
+        super().__init__()
+        self.draft, self.t2d_index, self.shift = draft, t2d_index, shift
+        self.d2t, self.verifier_norm = draft.d2t, draft.verifier_norm
+
+    def forward(self, input_ids, ttt_steps, **kw):
+        _, loss, metrics = self.draft(input_ids=input_ids, ttt_steps=ttt_steps, **kw)
+        ids = input_ids[0]
+        tokens = []
+        for k in range(ttt_steps):
+            ahead = torch.cat([ids[k + self.shift:], ids.new_zeros(k + self.shift)])
+            tokens.append(self.t2d_index[ahead][None])
+        return tokens, loss, metrics
+
+
+def test_ttt_alignment_oracle_reaches_accuracy_one(tiny_llama, tmp_path):
+    from speculators.losses import resolve_loss_config
+
+    from eaglepipe.draft_model import build_draft, load_target_head
+    from eaglepipe.packed_data import PackedRows
+    from eaglepipe.shards import load_manifest
+
+    run = make_run(tmp_path, tiny_llama)
+    manifest = load_manifest(run["manifest"])
+    draft = build_draft(tiny_llama, [1, 3, 5], run["vocab"], ttt_steps=3)
+    t2d_index = torch.cumsum(draft.t2d.long(), 0) - 1  # target id -> draft index
+    head = load_target_head(tiny_llama)
+    loss = resolve_loss_config("kl_div", "eager")
+
+    def run_eval(shift, batch_tokens=64):
+        rows = PackedRows(manifest, "eval", batch_tokens, shuffle=False).once()
+        return summarize(evaluate_rows(Oracle(draft, t2d_index, shift), rows, head, 3, loss))
+
+    right = run_eval(shift=1)  # step k at t predicts x_{t+k+2} = input_ids[t+k+1]
+    assert right["accuracy_per_position"] == [1.0, 1.0, 1.0]
+    assert right["per_position_acceptance"] == [1.0, 1.0, 1.0]
+    assert right["chains_cut"] == 0  # greedy data: only response ends stop a chain
+    assert 3.0 < right["acceptance_length"] <= 4.0
+    assert run_eval(shift=1, batch_tokens=400) == right  # packing does not change the estimate
+    for wrong in (0, 2):
+        off = run_eval(shift=wrong)
+        assert max(off["accuracy_per_position"]) < 0.5, (wrong, off)

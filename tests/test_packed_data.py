@@ -1,0 +1,186 @@
+"""Packed rows from shards: packing, shifting, determinism, resumable position, DDP slices.
+
+Also home of ``make_run``, the tiny-target run (shards from the target's real forward, manifest,
+vocab mapping) the other training/evaluation tests reuse.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from eaglepipe.packed_data import PackedRows
+from eaglepipe.shards import load_manifest, read_shard, write_manifest, write_shard
+
+LAYER_IDS = [1, 3, 5, 6]  # tiny Llama has 6 layers; 6 = final layer before the final norm
+
+
+@torch.no_grad()
+def greedy_samples(model, n: int, seed: int) -> list[dict]:
+    """Prompts of random tokens plus the target's greedy continuation. The continuation is cut at
+    the first token a full forward would not choose (KV-cache numerics), so data == target argmax
+    on every scored position; the last token is unscored (nothing in the data follows it)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        prompt = torch.tensor([[rng.randrange(3, 400) for _ in range(rng.randint(3, 8))]])
+        ids = model.generate(prompt, max_new_tokens=rng.randint(12, 30), do_sample=False,
+                             attention_mask=torch.ones_like(prompt), pad_token_id=0)[0]
+        pred = model(ids[None]).logits[0].argmax(-1)
+        p = prompt.shape[1]
+        bad = (ids[p:] != pred[p - 1:-1]).nonzero()
+        end = p + (int(bad[0]) if len(bad) else len(ids) - p)
+        ids = ids[:end]
+        mask = torch.zeros(len(ids), dtype=torch.uint8)
+        mask[p:end - 1] = 1
+        out.append({"input_ids": ids, "loss_mask": mask})
+    return out
+
+
+@torch.no_grad()
+def states(model, ids: torch.Tensor) -> torch.Tensor:
+    """[T, L, H]: hidden_states[k] for aux ids, the final norm's input for the last id."""
+    captured = {}
+    hook = model.model.norm.register_forward_pre_hook(lambda m, a: captured.setdefault("x", a[0]))
+    try:
+        hs = model(ids[None], output_hidden_states=True).hidden_states
+    finally:
+        hook.remove()
+    layers = [hs[k][0] for k in LAYER_IDS[:-1]] + [captured["x"][0]]
+    return torch.stack(layers, dim=1)
+
+
+def write_split(model, samples: list[dict], shard_dir: Path, split: str, batch: int, start: int) -> list[dict]:
+    rows = []
+    for i in range(0, len(samples), batch):
+        part = samples[i:i + batch]
+        lengths = torch.tensor([len(s["input_ids"]) for s in part])
+        rows.append(write_shard(
+            shard_dir / f"{split}-{i // batch:06d}.safetensors",
+            torch.cat([states(model, s["input_ids"]) for s in part]),
+            torch.cat([s["input_ids"] for s in part]), torch.cat([s["loss_mask"] for s in part]),
+            torch.arange(start + i, start + i + len(part)), torch.cat([torch.zeros(1, dtype=torch.long),
+                                                                       lengths.cumsum(0)]),
+            {"layer_ids": LAYER_IDS}))
+    return rows
+
+
+def make_run(tmp: Path, target: Path, n_train: int = 12, n_eval: int = 6, batch: int = 4,
+             draft_vocab: int = 256, seed: int = 0) -> dict:
+    """Shards of greedy data from the tiny target, manifest, and a vocab mapping holding every data token."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
+    train, evals = greedy_samples(model, n_train, seed), greedy_samples(model, n_eval, seed + 1)
+    shard_dir = tmp / "hidden_states" / "shards"
+    manifest = {
+        "layer_ids": LAYER_IDS, "shard_dir": "shards",
+        "target": {"model": str(target), "num_hidden_layers": 6, "hidden_size": 64, "vocab_size": 400},
+        "splits": {"train": {"shards": write_split(model, train, shard_dir, "train", batch, 0)},
+                   "eval": {"shards": write_split(model, evals, shard_dir, "eval", batch, n_train)}},
+    }
+    write_manifest(tmp / "hidden_states" / "manifest.json", manifest)
+    used = sorted({int(t) for s in train + evals for t in s["input_ids"]})
+    fill = [t for t in range(400) if t not in set(used)]
+    chosen = torch.tensor(sorted(used + fill[:max(0, draft_vocab - len(used))]))
+    t2d = torch.zeros(400, dtype=torch.bool)
+    t2d[chosen] = True
+    save_file({"d2t": chosen - torch.arange(len(chosen)), "t2d": t2d}, str(tmp / "vocab_mapping.safetensors"))
+    return {"manifest": tmp / "hidden_states" / "manifest.json", "vocab": tmp / "vocab_mapping.safetensors",
+            "model": target, "train": train, "eval": evals}
+
+
+def random_manifest(tmp: Path, lengths: list[list[int]], layers: int = 3, hidden: int = 8) -> dict:
+    """Shards of random states with given per-shard sample lengths; token id = global token counter."""
+    rows, counter, sample = [], 0, 0
+    for si, lens in enumerate(lengths):
+        T = sum(lens)
+        rows.append(write_shard(
+            tmp / "shards" / f"train-{si:06d}.safetensors", torch.randn(T, layers, hidden),
+            torch.arange(counter, counter + T), torch.ones(T), torch.arange(sample, sample + len(lens)),
+            torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()]), {"layer_ids": list(range(1, layers + 1))}))
+        counter += T
+        sample += len(lens)
+    m = {"layer_ids": list(range(1, layers + 1)), "shard_dir": "shards", "target": {"num_hidden_layers": layers},
+         "splits": {"train": {"shards": rows}}}
+    write_manifest(tmp / "manifest.json", m)
+    return load_manifest(tmp / "manifest.json")
+
+
+def row_tokens(batch: dict) -> list[int]:
+    return batch["input_ids"][0].tolist()
+
+
+def test_rows_pack_whole_samples_shifted_per_sample(tmp_path):
+    m = random_manifest(tmp_path, [[5, 3, 4], [6, 2]])
+    rows = list(PackedRows(m, "train", batch_tokens=8, shuffle=False).once())
+    # samples 5|3 (8 tokens), 4|... 4+6 > 8 so 4 alone, then 6|2
+    assert [r["lengths"].tolist() for r in rows] == [[4, 2], [3], [5, 1]]
+    first = rows[0]
+    assert row_tokens(first) == [1, 2, 3, 4, 6, 7]  # x0 of each sample dropped
+    assert first["position_ids"][0].tolist() == [1, 2, 3, 4, 1, 2]
+    assert first["document_ids"][0].tolist() == [0, 0, 0, 0, 1, 1]
+    assert first["hidden_states"].shape == (1, 6, 2 * 8) and first["verifier_last_hidden_states"].shape == (1, 6, 8)
+    hs = read_shard(tmp_path / "shards" / "train-000000.safetensors").hidden_states
+    # aux g_t beside x_{t+1} and the final state y_{t+1}
+    assert torch.equal(first["hidden_states"][0, 0], hs[0, :-1].reshape(-1))
+    assert torch.equal(first["verifier_last_hidden_states"][0, 0], hs[1, -1])
+
+
+def test_long_sample_truncated_and_counted(tmp_path, caplog):
+    m = random_manifest(tmp_path, [[3, 20, 1]])
+    rows = PackedRows(m, "train", batch_tokens=8, shuffle=False)
+    out = list(rows.once())
+    assert [r["lengths"].tolist() for r in out] == [[2], [7]]
+    assert len(rows.truncated) == 1 and len(rows.too_short) == 1
+    assert "1 sample(s) longer than batch_tokens=8 truncated" in caplog.text
+
+
+def test_shuffle_deterministic_and_resumable(tmp_path):
+    m = random_manifest(tmp_path, [[4, 5, 3], [6, 2, 2], [7, 3]])
+    a = PackedRows(m, "train", batch_tokens=9, seed=1)
+    stream = a.batches()
+    first = [next(stream) for _ in range(12)]  # crosses epochs
+    assert {pos[0] for pos, _ in first} == {0, 1, 2}
+    again = PackedRows(m, "train", batch_tokens=9, seed=1).batches()
+    assert [row_tokens(b) for _, b in first] == [row_tokens(next(again)[1]) for _ in range(12)]
+    other = PackedRows(m, "train", batch_tokens=9, seed=2).batches()
+    assert [row_tokens(b) for _, b in first] != [row_tokens(next(other)[1]) for _ in range(12)]
+    epoch0 = [row_tokens(b) for pos, b in first if pos[0] == 0]
+    epoch1 = [row_tokens(b) for pos, b in first if pos[0] == 1]
+    assert sorted(sum(epoch0, [])) == sorted(sum(epoch1, [])) and epoch0 != epoch1
+    # resume from a saved position yields exactly the rest of the stream
+    pos, _ = first[4]
+    resumed = PackedRows(m, "train", batch_tokens=9, seed=1).batches(*pos)
+    assert [row_tokens(b) for _, b in first[5:]] == [row_tokens(next(resumed)[1]) for _ in range(7)]
+
+
+def test_ranks_take_disjoint_rows(tmp_path):
+    m = random_manifest(tmp_path, [[4, 5, 3], [6, 2, 2], [7, 3]])
+    single = [row_tokens(b) for _, (_, b) in zip(range(4), PackedRows(m, "train", 9, seed=3).batches(), strict=False)]
+    r0 = PackedRows(m, "train", 9, seed=3, rank=0, world_size=2).batches()
+    r1 = PackedRows(m, "train", 9, seed=3, rank=1, world_size=2).batches()
+    (p0, b0), (p1, b1) = next(r0), next(r1)
+    assert p0 == p1 == (0, 2)
+    assert [row_tokens(b0), row_tokens(b1)] == single[:2]
+    once = [row_tokens(b) for b in PackedRows(m, "train", 9, shuffle=False).once()]
+    halves = [row_tokens(b) for r in (0, 1) for b in PackedRows(m, "train", 9, shuffle=False, rank=r,
+                                                                 world_size=2).once()]
+    assert sorted(once) == sorted(halves)
+
+
+def test_layer_count_mismatch_is_a_clear_error(tmp_path):
+    m = random_manifest(tmp_path, [[4, 4]])
+    m["layer_ids"] = [1, 2, 3, 4]
+    with pytest.raises(SystemExit, match="hidden_states has 3 layers, the manifest lists 4"):
+        list(PackedRows(m, "train", 8).once())
+
+
+def test_unknown_split_is_a_clear_error(tmp_path):
+    m = random_manifest(tmp_path, [[4, 4]])
+    with pytest.raises(ValueError, match="no split 'eval'"):
+        PackedRows(m, "eval", 8)
