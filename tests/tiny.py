@@ -129,3 +129,15 @@ def make_chats(path: str | Path, n: int = 40, seed: int = 0, sharegpt: bool = Fa
                 rec = {"id": f"c{i}", "conversations": [{"role": r, "content": c} for r, c in conv]}
             f.write(json.dumps(rec) + "\n")
     return Path(path)
+
+
+def make_tokenized(path: str | Path, n: int, vocab: int, lengths: tuple[int, int] = (4, 40), seed: int = 0,
+                   prefix: str = "s") -> Path:
+    """A tokenized JSONL as prepare_data writes it: {id, input_ids, loss_mask}, random ids and lengths."""
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for i in range(n):
+            t = rng.randint(*lengths)
+            f.write(json.dumps({"id": f"{prefix}{i}", "input_ids": [rng.randrange(vocab) for _ in range(t)],
+                                "loss_mask": [rng.randint(0, 1) for _ in range(t)]}) + "\n")
+    return Path(path)

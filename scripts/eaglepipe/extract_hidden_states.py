@@ -1,0 +1,411 @@
+"""Extract the target's hidden states for every tokenized sample into per-batch shards.
+
+  python -m eaglepipe.extract_hidden_states --train T.jsonl --eval E.jsonl --model M \
+      --backend hf|vllm --layer-ids auto|2,15,27,30 --batch-size 64 --shard-dir DIR \
+      --replica i --replicas R --out parts/replica-i-of-R.json   (all flags: --help)
+
+Each split is cut into consecutive batches of --batch-size samples, one shard per batch
+(``{split}-{batch:06d}.safetensors``); replica i of R does the batches with batch % R == i. The
+model is loaded once. A rerun reuses every shard that is complete and was made from the same
+settings and the same samples, so a crash costs one model load, not the work done. The output is
+a part manifest that ``eaglepipe.gather_manifest`` merges.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from . import shards
+from .atomic import remove_stale_temporaries, sha256_file
+from .layers import CONVENTION, resolve_layer_ids
+from .progress import TokenProgress
+
+SPLITS = ("train", "eval")
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "tiktoken.model",
+                   "special_tokens_map.json", "chat_template.jinja")
+DISK_MARGIN = 1.05
+DISK_RESERVE = 1 << 30
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+@dataclass
+class Sample:
+    index: int  # position in its split's file, stored as the shard's sample_index
+    id: str
+    input_ids: list[int]
+    loss_mask: list[int]
+
+
+def read_samples(path: str) -> list[Sample]:
+    """Tokenized JSONL from prepare_data; any malformed record is an error naming file and line."""
+    out: list[Sample] = []
+    seen: dict[str, int] = {}
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path} line {lineno}"
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise SystemExit(f"{where}: not valid JSON ({e})") from e
+            if not isinstance(rec, dict):
+                raise SystemExit(f"{where}: expected an object with id, input_ids, loss_mask")
+            for key in ("id", "input_ids", "loss_mask"):
+                if key not in rec:
+                    raise SystemExit(f"{where}: missing field {key!r} (need id, input_ids, loss_mask)")
+            ids, mask = rec["input_ids"], rec["loss_mask"]
+            if not isinstance(ids, list) or not ids or not all(type(t) is int and t >= 0 for t in ids):
+                raise SystemExit(f"{where}: field 'input_ids' must be a non-empty list of token ids >= 0")
+            if not isinstance(mask, list) or len(mask) != len(ids) or not all(m in (0, 1) for m in mask):
+                raise SystemExit(f"{where}: field 'loss_mask' must be a list of 0/1 as long as input_ids "
+                                 f"({len(ids)}), got {len(mask) if isinstance(mask, list) else type(mask).__name__}")
+            sid = str(rec["id"])
+            if sid in seen:
+                raise SystemExit(f"{where}: id {sid!r} repeats line {seen[sid]}; ids must be unique")
+            seen[sid] = lineno
+            out.append(Sample(len(out), sid, ids, mask))
+    return out
+
+
+def parse_layer_ids(text: str, num_hidden_layers: int) -> list[int]:
+    try:
+        configured = None if text == "auto" else [int(x) for x in text.split(",")]
+        return resolve_layer_ids(configured, num_hidden_layers)
+    except ValueError as e:
+        raise SystemExit(f"--layer-ids {text}: {e}") from e
+
+
+def bytes_per_token(num_layers: int, hidden: int, dtype_bytes: int, storage: str) -> int:
+    """Shard bytes per token: states (fp8: aux 1 B + a 4 B scale per layer) + input_ids + loss_mask."""
+    if storage == "fp8":
+        states = (num_layers - 1) * (hidden + 4) + hidden * dtype_bytes
+    else:
+        states = num_layers * hidden * dtype_bytes
+    return states + 8 + 1
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def tokenizer_digest(model: str, revision: str | None) -> str | None:
+    """Digest of the tokenizer files next to the model (local dir or hub cache), if there are any."""
+    d = Path(model)
+    if not d.is_dir():
+        try:
+            from huggingface_hub import snapshot_download
+
+            d = Path(snapshot_download(model, revision=revision, local_files_only=True))
+        except Exception:  # not cached locally: the digest is "if available"
+            return None
+    h = hashlib.sha256()
+    found = False
+    for name in TOKENIZER_FILES:
+        if (d / name).is_file():
+            h.update(name.encode() + b"\0" + (d / name).read_bytes())
+            found = True
+    return h.hexdigest()[:16] if found else None
+
+
+def settings_of(args, layer_ids: list[int]) -> dict:
+    """What decides a shard's content, whichever backend computed it."""
+    s = {"model": args.model, "revision": args.revision, "layer_ids": layer_ids, "dtype": args.dtype,
+         "storage_dtype": args.storage_dtype, "format_version": shards.FORMAT_VERSION}
+    s["digest"] = hashlib.sha256(json.dumps(s, sort_keys=True).encode()).hexdigest()[:16]
+    return s
+
+
+def shard_name(split: str, batch: int) -> str:
+    return f"{split}-{batch:06d}.safetensors"
+
+
+def reusable_row(path: Path, batch: list[Sample], digest: str, num_layers: int, hidden: int):
+    """The manifest row of an existing shard that holds exactly this batch with these settings, else None."""
+    if not shards.shard_is_valid(path):
+        return None
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = json.loads(f.metadata()["eaglepipe"])
+            if meta.get("settings_digest") != digest:
+                return None
+            skipped = {s["id"] for s in meta.get("skipped", [])}
+            kept = [s for s in batch if s.id not in skipped]
+            if meta.get("sample_ids") != [s.id for s in kept] or len(skipped) + len(kept) != len(batch):
+                return None
+            if f.get_tensor("sample_index").tolist() != [s.index for s in kept]:
+                return None
+            if f.get_tensor("input_ids").tolist() != [t for s in kept for t in s.input_ids]:
+                return None
+            if f.get_tensor("loss_mask").tolist() != [m for s in kept for m in s.loss_mask]:
+                return None
+            T = sum(len(s.input_ids) for s in kept)
+            if "hidden_states" in f.keys():
+                ok = f.get_slice("hidden_states").get_shape() == [T, num_layers, hidden]
+            else:
+                ok = (f.get_slice("aux_fp8").get_shape() == [T, num_layers - 1, hidden]
+                      and f.get_slice("final").get_shape() == [T, hidden])
+            if not ok:
+                return None
+    except Exception:  # unreadable in any way: rewrite it
+        return None
+    return {"file": path.name, "samples": len(kept), "tokens": T, "bytes": path.stat().st_size,
+            "sha256": sha256_file(path)}, meta.get("skipped", [])
+
+
+def pack_and_write(path: Path, split: str, b: int, batch: list[Sample], loaded, meta: dict,
+                   storage: str, num_layers: int, hidden: int):
+    """Check the backend's states against the batch, pack them into one shard; return (row, skipped)."""
+    if len(loaded) != len(batch):
+        raise RuntimeError(f"{split} batch {b}: the backend returned {len(loaded)} results for {len(batch)} samples")
+    kept, states, skipped = [], [], []
+    for s, (hs, token_ids) in zip(batch, loaded):
+        where = f"sample {s.id!r} ({split} record {s.index})"
+        if token_ids is not None and token_ids != s.input_ids:
+            raise SystemExit(f"{where}: the backend saw other token ids than the input "
+                             f"({len(token_ids)} vs {len(s.input_ids)} tokens)")
+        if tuple(hs.shape) != (len(s.input_ids), num_layers, hidden):
+            raise SystemExit(f"{where}: hidden states of shape {tuple(hs.shape)}, expected "
+                             f"({len(s.input_ids)} tokens, {num_layers} layers, {hidden})")
+        if not bool(torch.isfinite(hs).all()):
+            skipped.append({"split": split, "batch": b, "index": s.index, "id": s.id,
+                            "reason": "non-finite hidden states"})
+            continue
+        kept.append(s)
+        states.append(hs)
+    if not kept:
+        path.unlink(missing_ok=True)
+        return None, skipped
+    offsets = [0]
+    for s in kept:
+        offsets.append(offsets[-1] + len(s.input_ids))
+    row = shards.write_shard(
+        path,
+        hidden_states=torch.cat(states),
+        input_ids=torch.tensor([t for s in kept for t in s.input_ids]),
+        loss_mask=torch.tensor([m for s in kept for m in s.loss_mask]),
+        sample_index=torch.tensor([s.index for s in kept]),
+        offsets=torch.tensor(offsets),
+        metadata=dict(meta, split=split, batch=b, sample_ids=[s.id for s in kept], skipped=skipped),
+        storage_dtype=storage,
+    )
+    return row, skipped
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--train", required=True, help="tokenized train JSONL {id, input_ids, loss_mask}")
+    ap.add_argument("--eval", required=True, help="tokenized eval JSONL")
+    ap.add_argument("--model", required=True, help="target: local directory or hub id")
+    ap.add_argument("--revision", default=None)
+    ap.add_argument("--trust-remote-code", action="store_true")
+    ap.add_argument("--backend", choices=["hf", "vllm"], default="hf")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="hf backend only")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="vllm backend only")
+    ap.add_argument("--layer-ids", default="auto", help="auto or ascending ids ending with num_hidden_layers")
+    ap.add_argument("--batch-size", type=int, default=64, help="samples per shard")
+    ap.add_argument("--storage-dtype", choices=list(shards.STORAGE_DTYPES), default="model")
+    ap.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
+    ap.add_argument("--max-model-len", type=int, default=8192, help="vllm backend only")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="vllm backend only")
+    ap.add_argument("--enforce-eager", action="store_true", help="vllm backend only")
+    ap.add_argument("--shard-dir", required=True)
+    ap.add_argument("--replica", type=int, default=0)
+    ap.add_argument("--replicas", type=int, default=1)
+    ap.add_argument("--out", required=True, help="part manifest JSON")
+    args = ap.parse_args(argv)
+    if args.replicas < 1 or not 0 <= args.replica < args.replicas:
+        ap.error(f"--replica {args.replica} --replicas {args.replicas}: need 0 <= replica < replicas")
+    if args.batch_size < 1:
+        ap.error(f"--batch-size {args.batch_size}: must be >= 1")
+    return args
+
+
+def load_backend(args, layer_ids, num_hidden_layers, shard_dir: Path):
+    if args.backend == "vllm":
+        from .extract_vllm import VLLMExtractor
+
+        return VLLMExtractor(
+            args.model, layer_ids, args.dtype, shard_dir / f".staging-replica{args.replica}",
+            tensor_parallel_size=args.tensor_parallel_size, max_model_len=args.max_model_len,
+            gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
+            revision=args.revision, trust_remote_code=args.trust_remote_code)
+    from .extract_hf import HFExtractor
+
+    return HFExtractor(args.model, layer_ids, num_hidden_layers, DTYPES[args.dtype], device=args.device,
+                       revision=args.revision, trust_remote_code=args.trust_remote_code)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    from transformers import AutoConfig
+
+    try:
+        cfg = AutoConfig.from_pretrained(args.model, revision=args.revision,
+                                         trust_remote_code=args.trust_remote_code).get_text_config()
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--model {args.model}: cannot read its config ({e})") from e
+    N, H, V = cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size
+    layer_ids = parse_layer_ids(args.layer_ids, N)
+    L = len(layer_ids)
+    settings = settings_of(args, layer_ids)
+    shard_dir = Path(args.shard_dir)
+    shard_dir.mkdir(parents=True, exist_ok=True)
+    stale = remove_stale_temporaries(shard_dir)
+    if stale:
+        log(f"removed {stale} stale temporary files from {shard_dir}")
+
+    # ---- plan: every split's batches, this replica's share, what can be reused
+    data = {"train": read_samples(args.train), "eval": read_samples(args.eval)}
+    for split, samples in data.items():
+        for s in samples:
+            if max(s.input_ids) >= V:
+                raise SystemExit(f"{getattr(args, split)}: sample {s.id!r} has token id {max(s.input_ids)}, "
+                                 f"the target's vocabulary has {V}")
+            if args.backend == "vllm" and len(s.input_ids) > args.max_model_len:
+                raise SystemExit(f"{getattr(args, split)}: sample {s.id!r} has {len(s.input_ids)} tokens, "
+                                 f"more than --max-model-len {args.max_model_len}")
+    batches = {split: [data[split][i:i + args.batch_size] for i in range(0, len(data[split]), args.batch_size)]
+               for split in SPLITS}
+    mine = [(split, b) for split in SPLITS for b in range(len(batches[split])) if b % args.replicas == args.replica]
+    rows: dict[str, list[dict]] = {split: [] for split in SPLITS}
+    empty: dict[str, list[int]] = {split: [] for split in SPLITS}
+    skipped: list[dict] = []
+    todo = []
+    for split, b in mine:
+        found = reusable_row(shard_dir / shard_name(split, b), batches[split][b], settings["digest"], L, H)
+        if found:
+            rows[split].append(dict(found[0], batch=b))
+            skipped += found[1]
+        else:
+            todo.append((split, b))
+    n_reused = len(mine) - len(todo)
+
+    dtype_bytes = DTYPES[args.dtype].itemsize
+    bpt = bytes_per_token(L, H, dtype_bytes, args.storage_dtype)
+    tokens_mine = sum(len(s.input_ids) for split, b in mine for s in batches[split][b])
+    tokens_todo = sum(len(s.input_ids) for split, b in todo for s in batches[split][b])
+    n_all = {split: len(data[split]) for split in SPLITS}
+    log(f"target {args.model}: {N} layers, hidden {H}, vocab {V}; layer ids {layer_ids} ({CONVENTION})")
+    log(f"data: train {n_all['train']} samples in {len(batches['train'])} batches, eval {n_all['eval']} "
+        f"samples in {len(batches['eval'])} batches of up to {args.batch_size}")
+    log(f"replica {args.replica} of {args.replicas}: {len(mine)} shards, "
+        f"{sum(len(batches[s][b]) for s, b in mine)} samples, {tokens_mine} tokens")
+    log(f"bytes/token: {L} layers x {H} x {dtype_bytes} B = {L * H * dtype_bytes} B of states"
+        + (f", fp8 aux storage -> {bpt - 9} B" if args.storage_dtype == "fp8" else "")
+        + f", {bpt} B with input_ids and loss_mask")
+    log(f"projected size: {human(tokens_mine * bpt)} for this replica; {n_reused} shards reusable, "
+        f"{len(todo)} to write ({tokens_todo} tokens, {human(tokens_todo * bpt)})")
+    need = tokens_todo * bpt
+    if args.backend == "vllm":
+        from .extract_vllm import WINDOW_TOKENS
+
+        need += 2 * WINDOW_TOKENS * L * H * dtype_bytes  # staged connector files of two windows
+    free = shutil.disk_usage(shard_dir).free
+    if todo and need * DISK_MARGIN + DISK_RESERVE > free:
+        raise SystemExit(f"not enough disk space in {shard_dir}: the shards still to write need "
+                         f"{human(need)} (plus 5% and 1 GiB margin), {human(free)} is free; free space, "
+                         f"move the shard directory or use extract.storage_dtype fp8")
+
+    # ---- extract what is missing
+    meta = {"layer_ids": layer_ids, "layer_convention": CONVENTION,
+            "target": {"model": args.model, "revision": args.revision}, "dtype": args.dtype,
+            "tokenizer_digest": tokenizer_digest(args.model, args.revision),
+            "settings_digest": settings["digest"], "backend": args.backend}
+    load_s = 0.0
+    progress = {"tokens": 0, "seconds": 0.0, "tokens_per_s": 0.0}
+    if todo:
+        t0 = time.perf_counter()
+        backend = load_backend(args, layer_ids, N, shard_dir)
+        load_s = time.perf_counter() - t0
+        log(f"{args.backend} backend loaded in {load_s:.1f}s")
+        # vLLM: several writers repack while the GPU runs the next window; CPU: one, cores are scarce
+        writers = 4 if args.backend == "vllm" or args.device == "cuda" else 1
+        work = (((split, b), [s.input_ids for s in batches[split][b]]) for split, b in todo)
+        with ThreadPoolExecutor(writers) as pool, TokenProgress(tokens_todo, "extract") as bar:
+            def submit(key, loader):
+                split, b = key
+                return pool.submit(lambda: (key, pack_and_write(
+                    shard_dir / shard_name(split, b), split, b, batches[split][b], loader(), meta,
+                    args.storage_dtype, L, H)))
+
+            def finish(future):
+                (split, b), (row, skip) = future.result()
+                skipped.extend(skip)
+                if row is None:
+                    empty[split].append(b)
+                else:
+                    rows[split].append(dict(row, batch=b))
+                bar.update(sum(len(s.input_ids) for s in batches[split][b]), shards=sum(map(len, rows.values())))
+
+            pending: deque = deque()
+            try:
+                for key, loader in backend.batches(work):
+                    pending.append(submit(key, loader))
+                    while pending and (len(pending) > 2 * writers or pending[0].done()):
+                        finish(pending.popleft())
+                while pending:
+                    finish(pending.popleft())
+            except BaseException:
+                pool.shutdown(cancel_futures=True)
+                raise
+            progress = bar.summary()
+        backend.close()
+    log(f"reused {n_reused} shards, wrote {len(todo) - sum(map(len, empty.values()))}")
+    if skipped:
+        log(f"skipped {len(skipped)} samples with non-finite hidden states: "
+            + ", ".join(f"{s['split']}/{s['id']}" for s in skipped))
+
+    # ---- part manifest
+    out = Path(args.out)
+    splits = {}
+    for split in SPLITS:
+        rs = sorted(rows[split], key=lambda r: r["batch"])
+        splits[split] = {"shards": rs, "empty_batches": sorted(empty[split]),
+                         "samples": sum(r["samples"] for r in rs), "tokens": sum(r["tokens"] for r in rs),
+                         "bytes": sum(r["bytes"] for r in rs)}
+    manifest = {
+        "target": {"model": args.model, "revision": args.revision, "num_hidden_layers": N,
+                   "hidden_size": H, "vocab_size": V, "dtype": args.dtype},
+        "layer_ids": layer_ids,
+        "layer_convention": CONVENTION,
+        "storage_dtype": args.storage_dtype,
+        "backend": args.backend,
+        "shard_dir": os.path.relpath(shard_dir.resolve(), out.parent.resolve()),
+        "splits": splits,
+        "skipped": sorted(skipped, key=lambda s: (s["split"], s["index"])),
+        "replica": {"index": args.replica, "count": args.replicas,
+                    "batches": {split: len(batches[split]) for split in SPLITS}},
+        "throughput": dict(progress, model_load_s=round(load_s, 2)),
+        "settings": dict(settings, batch_size=args.batch_size),
+        "tokenizer_digest": meta["tokenizer_digest"],
+        "bytes_per_token": bpt,
+    }
+    shards.write_manifest(out, manifest)
+    log(f"wrote {out}: {sum(s['tokens'] for s in splits.values())} tokens in "
+        f"{sum(len(s['shards']) for s in splits.values())} shards, "
+        f"{human(sum(s['bytes'] for s in splits.values()))}")
+
+
+if __name__ == "__main__":
+    main()

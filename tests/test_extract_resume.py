@@ -1,0 +1,95 @@
+"""Resume after a real kill -9, rewrite of damaged or stale shards, byte-identical results."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import tiny
+from eaglepipe import extract_hidden_states as ehs
+
+REPO = Path(__file__).resolve().parents[1]
+BATCHES = 40
+
+
+def run_cli(work: Path, model: Path, name: str, *extra, wait=True):
+    args = [sys.executable, "-m", "eaglepipe.extract_hidden_states", "--train", str(work / "train.jsonl"),
+            "--eval", str(work / "eval.jsonl"), "--model", str(model), "--backend", "hf", "--device", "cpu",
+            "--layer-ids", "auto", "--batch-size", "4", "--shard-dir", str(work / name / "shards"),
+            "--out", str(work / name / "part.json"), *extra]
+    env = dict(os.environ, PYTHONPATH=str(REPO / "scripts"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    log = open(work / f"{name}.log", "a")
+    p = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
+    if wait:
+        assert p.wait(timeout=300) == 0, (work / f"{name}.log").read_text()[-3000:]
+    return p
+
+
+def shard_bytes(d: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(d.glob("*.safetensors"))}
+
+
+def last_line_of(text: str, prefix: str) -> str:
+    return [x for x in text.splitlines() if x.startswith(prefix)][-1]
+
+
+def last_line(log: Path, prefix: str) -> str:
+    return last_line_of(log.read_text(), prefix)
+
+
+def test_resume_after_kill_is_byte_identical(tmp_path, tiny_llama):
+    tiny.make_tokenized(tmp_path / "train.jsonl", 4 * (BATCHES - 4), 400, lengths=(30, 60), seed=3, prefix="t")
+    tiny.make_tokenized(tmp_path / "eval.jsonl", 16, 400, lengths=(30, 60), seed=4, prefix="e")
+    run_cli(tmp_path, tiny_llama, "full")
+    full = shard_bytes(tmp_path / "full" / "shards")
+    assert len(full) == BATCHES
+
+    shard_dir = tmp_path / "killed" / "shards"
+    p = run_cli(tmp_path, tiny_llama, "killed", wait=False)
+    deadline = time.time() + 120
+    while not list(shard_dir.glob("*.safetensors")) and p.poll() is None and time.time() < deadline:
+        time.sleep(0.005)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    before = len(list(shard_dir.glob("*.safetensors")))
+    assert 1 <= before < BATCHES, f"kill landed after {before} of {BATCHES} shards"
+    assert not (tmp_path / "killed" / "part.json").exists()
+
+    run_cli(tmp_path, tiny_llama, "killed")
+    log = tmp_path / "killed.log"
+    assert last_line(log, "reused") == f"reused {before} shards, wrote {BATCHES - before}"
+    assert shard_bytes(shard_dir) == full
+    assert not list(shard_dir.glob(".tmp-*"))
+
+    # a truncated shard, one with a broken header and a stray temporary are all dealt with
+    names = sorted(full)
+    (shard_dir / names[0]).write_bytes(full[names[0]][: len(full[names[0]]) // 2])
+    (shard_dir / names[5]).write_bytes(b"\xff" * 16 + full[names[5]][16:])
+    (shard_dir / ".tmp-train-000009.safetensors.abc").write_bytes(b"partial")
+    run_cli(tmp_path, tiny_llama, "killed")
+    assert last_line(log, "reused") == f"reused {BATCHES - 2} shards, wrote 2"
+    assert "removed 1 stale temporary files" in log.read_text()
+    assert shard_bytes(shard_dir) == full and not list(shard_dir.glob(".tmp-*"))
+
+
+def test_changed_settings_or_samples_rewrite_shards(tmp_path, tiny_llama, capsys):
+    tiny.make_tokenized(tmp_path / "train.jsonl", 8, 400, seed=3, prefix="t")
+    tiny.make_tokenized(tmp_path / "eval.jsonl", 4, 400, seed=4, prefix="e")
+
+    def run(*extra):
+        ehs.main(["--train", str(tmp_path / "train.jsonl"), "--eval", str(tmp_path / "eval.jsonl"),
+                  "--model", str(tiny_llama), "--batch-size", "4", "--shard-dir", str(tmp_path / "shards"),
+                  "--out", str(tmp_path / "part.json"), *extra])
+        return last_line_of(capsys.readouterr().err, "reused")
+
+    assert run() == "reused 0 shards, wrote 3"
+    assert run("--storage-dtype", "fp8") == "reused 0 shards, wrote 3"  # other settings digest
+    assert run("--storage-dtype", "fp8", "--device", "cpu") == "reused 3 shards, wrote 0"
+    assert run("--storage-dtype", "fp8", "--batch-size", "2") == "reused 0 shards, wrote 6"
+    # one sample's tokens change: only its batch is redone
+    lines = (tmp_path / "train.jsonl").read_text().splitlines()
+    lines[5] = lines[5].replace('"input_ids": [', '"input_ids": [7, ').replace('"loss_mask": [', '"loss_mask": [0, ')
+    (tmp_path / "train.jsonl").write_text("\n".join(lines) + "\n")
+    assert run("--storage-dtype", "fp8", "--batch-size", "2") == "reused 5 shards, wrote 1"
