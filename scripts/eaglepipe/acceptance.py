@@ -103,14 +103,17 @@ def anchor_tensors(draft_ids: torch.Tensor, greedy: torch.Tensor, input_ids: tor
     return torch.stack(hit, 1), torch.stack(evaluable, 1), torch.stack(valid, 1)
 
 
-def greedy_tokens(model, final_states: torch.Tensor, head: torch.Tensor, chunk: int = 512) -> torch.Tensor:
+def greedy_tokens(model, final_states: torch.Tensor, head: torch.Tensor, scored: torch.Tensor,
+                  chunk: int = 512) -> torch.Tensor:
     """Target greedy tokens [T] from final pre-norm states [T, H]: the draft's copy of the target's
-    final norm, then the full-vocabulary lm_head, in chunks to bound memory."""
-    out = []
-    for s in range(0, final_states.shape[0], chunk):
-        x = model.verifier_norm(final_states[s:s + chunk].to(head.dtype))
-        out.append((x @ head.T).argmax(dim=-1))
-    return torch.cat(out)
+    final norm, then the full-vocabulary lm_head, in chunks to bound memory. Only scored positions
+    are computed (no chain passes through another); the rest are -1, which matches no token."""
+    out = torch.full((final_states.shape[0],), -1, dtype=torch.long, device=final_states.device)
+    idx = scored.nonzero().squeeze(1)
+    for s in range(0, idx.numel(), chunk):
+        x = model.verifier_norm(final_states[idx[s:s + chunk]].to(head.dtype))
+        out[idx[s:s + chunk]] = (x @ head.T).argmax(dim=-1)
+    return out
 
 
 @torch.no_grad()
@@ -129,7 +132,7 @@ def evaluate_rows(model, rows, head: torch.Tensor, k: int, loss_config, ttt_step
         drafts = torch.cat(draft_tokens, dim=0)  # [K, T] in the draft vocabulary
         if model.d2t is not None:
             drafts = drafts + model.d2t[drafts]
-        greedy = greedy_tokens(model, b["verifier_last_hidden_states"][0], head)
+        greedy = greedy_tokens(model, b["verifier_last_hidden_states"][0], head, b["loss_mask"][0].bool())
         hit, evaluable, valid = anchor_tensors(drafts, greedy, b["input_ids"][0], b["loss_mask"][0],
                                                b["document_ids"][0])
         counts = chain_counts(hit, evaluable, valid)

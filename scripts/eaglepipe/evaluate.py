@@ -1,0 +1,72 @@
+"""Offline evaluation of an exported draft (``rule evaluate_offline``): acceptance length by greedy
+chain replay on held-out hidden-state shards (acceptance.py), written to ``offline.json``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import torch
+
+from .atomic import write_json
+from .packed_data import PackedRows
+from .shards import load_manifest
+
+log = logging.getLogger("eaglepipe.evaluate")
+
+# rows only bound memory: the estimate is the same for any packing; longer samples are truncated (logged)
+EVAL_BATCH_TOKENS = 8192
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m eaglepipe.evaluate", description=__doc__.split("\n")[0])
+    p.add_argument("--draft", required=True, help="exported draft directory (config.json + model.safetensors)")
+    p.add_argument("--manifest", required=True)
+    p.add_argument("--split", default="eval")
+    p.add_argument("--model", required=True, help="target model directory")
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--k", type=int, required=True, help="draft tokens per chain (num_speculative_tokens)")
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    if args.k < 1:
+        p.error(f"--k {args.k}: must be >= 1")
+    return args
+
+
+def main(argv=None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    args = parse_args(argv)
+    from speculators.losses import resolve_loss_config
+
+    from .acceptance import eval_metrics, evaluate_rows
+    from .draft_model import load_draft, load_target_head
+    from .train_draft import loss_implementation, set_threads
+
+    set_threads()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        manifest = load_manifest(args.manifest)
+    except ValueError as e:
+        raise SystemExit(str(e)) from e
+    model = load_draft(args.draft, args.model, device)
+    aux = [int(i) for i in manifest["layer_ids"][:-1]]
+    if list(model.target_layer_ids) != aux:
+        raise SystemExit(f"draft {args.draft}: eagle_aux_hidden_state_layer_ids {model.target_layer_ids} differ "
+                         f"from the manifest's aux ids {aux} ({args.manifest})")
+    head = load_target_head(args.model).to(device)
+    rows = PackedRows(manifest, args.split, EVAL_BATCH_TOKENS, shuffle=False).once()
+    counts = evaluate_rows(model, rows, head, args.k, resolve_loss_config("kl_div", loss_implementation(device)),
+                           device=device)
+    result = eval_metrics(counts)
+    result.update(split=args.split, draft=str(Path(args.draft)), manifest=str(Path(args.manifest)),
+                  target_model=str(args.model))
+    write_json(args.out, result)
+    log.info("acceptance length %s (k=%d) over %d anchors; per-position acceptance %s",
+             result["acceptance_length"], args.k, result["anchors"], result["per_position_acceptance"])
+
+
+if __name__ == "__main__":
+    main()

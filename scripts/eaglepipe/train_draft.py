@@ -1,0 +1,321 @@
+"""Train the EAGLE-3 draft on hidden-state shards (``rule train_draft``).
+
+Our own small loop around speculators' model and losses: speculators' Trainer refuses to run
+without an accelerator and its resume path fails on CPU, and the pipeline must train on a laptop.
+The same loop runs on one GPU, and under torchrun (WORLD_SIZE > 1) with DDP.
+
+Writes ``<out>/metrics.jsonl`` (a row per logged train step and per evaluation, the untrained
+draft's at step 0 included), checkpoints under ``<out>/checkpoints/`` (see checkpoints.py) and at
+the end ``<out>/summary.json``, which the exporter reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from . import checkpoints
+from .atomic import sha256_file, write_json
+from .layers import validate_layer_ids
+from .packed_data import PackedRows
+from .progress import TokenProgress
+from .shards import load_manifest
+
+log = logging.getLogger("eaglepipe.train_draft")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m eaglepipe.train_draft", description=__doc__.split("\n")[0])
+    p.add_argument("--manifest", required=True, help="hidden-state manifest.json")
+    p.add_argument("--vocab", required=True, help="vocab_mapping.safetensors (d2t, t2d)")
+    p.add_argument("--model", required=True, help="target model directory (embeddings, final norm, lm_head)")
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--out-dir", required=True)
+    p.add_argument("--ttt-steps", type=int, default=3)
+    p.add_argument("--ttt-step-loss-decay", type=float, default=1.0)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--warmup-steps", type=int, default=20)
+    p.add_argument("--max-steps", type=int, default=1000)
+    p.add_argument("--batch-tokens", type=int, default=8192)
+    p.add_argument("--eval-every", type=int, default=200)
+    p.add_argument("--checkpoint-every", type=int, default=200)
+    p.add_argument("--loss", default="kl_div", help="a speculators loss name (kl_div, ce, ...) or a JSON mix")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    for name in ("ttt_steps", "max_steps", "batch_tokens", "eval_every", "checkpoint_every"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
+    if args.warmup_steps < 0 or args.lr <= 0 or args.weight_decay < 0 or args.ttt_step_loss_decay <= 0:
+        p.error("--warmup-steps and --weight-decay must be >= 0, --lr and --ttt-step-loss-decay > 0")
+    return args
+
+
+# ----------------------------------------------------------------------------- setup
+def set_threads() -> int:
+    """Torch threads = the job's threads (Snakemake exports OMP_NUM_THREADS = threads)."""
+    n = int(os.environ.get("OMP_NUM_THREADS") or len(os.sched_getaffinity(0)))
+    torch.set_num_threads(max(1, n))
+    return n
+
+
+def setup_distributed() -> tuple[int, int, torch.device]:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        device = torch.device("cpu")
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return rank, world, device
+
+
+def all_reduce(counts: dict, world: int) -> dict:
+    if world > 1:
+        import torch.distributed as dist
+
+        for v in counts.values():
+            dist.all_reduce(v)
+    return counts
+
+
+def run_settings(args, manifest: dict) -> dict:
+    """Everything that changes the training trajectory (not eval/checkpoint cadence, not world size)."""
+    data = hashlib.sha256(json.dumps([manifest["layer_ids"], manifest["splits"]], sort_keys=True).encode())
+    return {
+        "data": data.hexdigest()[:16], "vocab": sha256_file(args.vocab)[:16], "model": str(args.model),
+        "ttt_steps": args.ttt_steps, "ttt_step_loss_decay": args.ttt_step_loss_decay, "lr": args.lr,
+        "weight_decay": args.weight_decay, "warmup_steps": args.warmup_steps, "max_steps": args.max_steps,
+        "batch_tokens": args.batch_tokens, "loss": args.loss, "seed": args.seed,
+    }
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def loss_implementation(device: torch.device) -> str:
+    """speculators' fused losses need triton (CUDA); eager elsewhere."""
+    if device.type != "cuda":
+        return "eager"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "eager"
+    return "fused"
+
+
+class MetricsLog:
+    """metrics.jsonl, appended line by line; on resume, rows after the checkpoint's step are dropped."""
+
+    def __init__(self, path: Path, keep_until: int | None, enabled: bool):
+        self.path, self.enabled = path, enabled
+        if not enabled:
+            return
+        rows = []
+        if keep_until is not None and path.is_file():
+            rows = [r for r in path.read_text().splitlines() if r.strip() and json.loads(r)["step"] <= keep_until]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(r + "\n" for r in rows))
+
+    def write(self, row: dict) -> None:
+        if self.enabled:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+
+# ----------------------------------------------------------------------------- training
+def train(args, stop_after: int | None = None) -> dict | None:
+    """Run (or resume) training; returns the summary, or None when stopped early by ``stop_after``
+    (the test's stand-in for a killed job)."""
+    from speculators.losses import resolve_loss_config
+
+    from .acceptance import eval_metrics, evaluate_rows
+    from .draft_model import build_draft, load_target_head
+
+    threads = set_threads()
+    rank, world, device = setup_distributed()
+    main_rank = rank == 0
+    out = Path(args.out_dir)
+    try:
+        manifest = load_manifest(args.manifest)
+    except ValueError as e:
+        raise SystemExit(str(e)) from e
+    layer_ids = [int(i) for i in manifest["layer_ids"]]
+    try:
+        validate_layer_ids(layer_ids, int(manifest["target"].get("num_hidden_layers", layer_ids[-1])))
+    except ValueError as e:
+        raise SystemExit(f"manifest {args.manifest}: {e}") from e
+    aux_ids = layer_ids[:-1]
+    settings = run_settings(args, manifest)
+    digest = checkpoints.settings_digest(settings)
+    log.info("target %s, layer ids %s (aux %s), %d thread(s), device %s, world size %d, settings digest %s",
+             args.model, layer_ids, aux_ids, threads, device, world, digest)
+
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    model = build_draft(args.model, aux_ids, args.vocab, args.ttt_steps, device, args.trust_remote_code)
+    draft_vocab = int(model.draft_vocab_size)
+    params = [p for p in model.parameters() if p.requires_grad]
+    log.info("draft: %s trainable parameters, draft vocab %d, target vocab %d",
+             f"{sum(p.numel() for p in params):,}", draft_vocab, model.verifier_vocab_size)
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+    from transformers import get_cosine_schedule_with_warmup
+
+    scheduler = get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, args.max_steps)
+    loss_config = resolve_loss_config(args.loss, loss_implementation(device))
+    head = load_target_head(args.model).to(device)
+
+    # resume: rank 0 decides (and clears checkpoints of other settings) before the others look
+    resume = checkpoints.find_resume(out, digest) if main_rank else None
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+        if not main_rank:
+            resume = checkpoints.find_resume(out, digest)
+    step, position, train_tokens, evals, best = 0, (0, 0), 0, {}, None
+    if resume:
+        ckpt, state = resume
+        checkpoints.load_weights(model, ckpt)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        set_rng_state(state["rng"])
+        step, position, train_tokens = state["step"], tuple(state["position"]), state["train_tokens"]
+        evals, best = state["evals"], state["best"]
+        log.info("resuming from %s at step %d (data position epoch %d, row %d); saved with world size %d, "
+                 "now %d%s", ckpt, step, *position, state["world_size"], world,
+                 "" if state["world_size"] == world else " (rows per step change with it)")
+    else:
+        log.info("starting fresh")
+    metrics = MetricsLog(out / "metrics.jsonl", step if resume else None, main_rank)
+    ddp_model = model
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        ddp_model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+    def run_eval(at_step: int) -> dict:
+        rows = PackedRows(manifest, "eval", args.batch_tokens, shuffle=False, rank=rank, world_size=world).once()
+        counts = all_reduce(evaluate_rows(model, rows, head, args.ttt_steps, loss_config,
+                                          args.ttt_step_loss_decay, device), world)
+        ev = eval_metrics(counts)
+        row = {"step": at_step, "split": "eval", **{k: v for k, v in ev.items() if k not in ("convention", "reference")}}
+        metrics.write(row)
+        log.info("eval at step %d: acceptance length %s, per-position acceptance %s, loss %s", at_step,
+                 ev["acceptance_length"], ev["per_position_acceptance"], ev["loss"])
+        evals[at_step] = ev
+        return ev
+
+    if not resume:
+        run_eval(0)
+
+    stream = PackedRows(manifest, "train", args.batch_tokens, seed=args.seed, shuffle=True, rank=rank,
+                        world_size=world).batches(*position)
+    log_every = max(1, args.max_steps // 200)
+    keys = ("hidden_states", "input_ids", "document_ids", "loss_mask", "position_ids", "verifier_last_hidden_states")
+    window_tokens, window_start = 0, time.perf_counter()
+    model.train()
+    with TokenProgress(args.max_steps - step, "train", unit="step") as bar:
+        while step < args.max_steps:
+            position, batch = next(stream)
+            b = {k: batch[k].to(device) for k in keys}
+            _, loss, m = ddp_model(**b, ttt_steps=args.ttt_steps, ttt_step_loss_decay=args.ttt_step_loss_decay,
+                                   loss_config=loss_config)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+            scheduler.step()
+            step += 1
+            tokens = torch.tensor([b["input_ids"].shape[1]], device=device)
+            stats = torch.stack([loss.detach().float()] + [m[f"full_acc_{s}_sum"].float() for s in range(args.ttt_steps)]
+                                + [m[f"full_acc_{s}_total"].float() for s in range(args.ttt_steps)])
+            all_reduce({"t": tokens, "s": stats}, world)
+            train_tokens += int(tokens)
+            window_tokens += int(tokens)
+            loss_value = float(stats[0]) / world
+            bar.update(1, loss=f"{loss_value:.3f}", tok_s=f"{window_tokens / (time.perf_counter() - window_start):.0f}")
+            if step % log_every == 0 or step == args.max_steps:
+                elapsed = time.perf_counter() - window_start
+                acc = {f"acc_{s}": round(float(stats[1 + s]) / max(1.0, float(stats[1 + args.ttt_steps + s])), 6)
+                       for s in range(args.ttt_steps)}
+                metrics.write({"step": step, "split": "train", "loss": round(loss_value, 6), **acc,
+                               "lr": scheduler.get_last_lr()[0], "tokens_per_s": round(window_tokens / elapsed, 1),
+                               "train_tokens": train_tokens, "epoch": position[0]})
+                window_tokens, window_start = 0, time.perf_counter()
+            is_ckpt = step % args.checkpoint_every == 0 or step == args.max_steps
+            if is_ckpt or step % args.eval_every == 0:
+                ev = run_eval(step)
+                window_start = time.perf_counter()  # evaluation time is not training throughput
+                model.train()
+            if is_ckpt:
+                al = ev["acceptance_length"] or 0.0
+                is_best = best is None or al > best["acceptance_length"]
+                if is_best:
+                    best = {"step": step, "acceptance_length": al}
+                if main_rank:
+                    state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                             "position": list(position), "rng": rng_state(), "step": step, "world_size": world,
+                             "digest": digest, "settings": settings, "train_tokens": train_tokens,
+                             "evals": evals, "best": best}
+                    path = checkpoints.save(out, step, model, state, best=is_best)
+                    log.info("checkpoint %s%s", path, " (best so far)" if is_best else "")
+                if world > 1:
+                    torch.distributed.barrier()
+            if stop_after is not None and step >= stop_after:
+                return None
+
+    summary = {
+        "best": f"checkpoints/{checkpoints.step_name(best['step'])}",
+        "last": f"checkpoints/{checkpoints.step_name(step)}",
+        "steps": step,
+        "best_eval": evals[best["step"]],
+        "last_eval": evals[step],
+        "layer_ids": layer_ids,
+        "aux_layer_ids": aux_ids,
+        "target_model": str(args.model),
+        "draft_vocab_size": draft_vocab,
+        "ttt_steps": args.ttt_steps,
+        "train_tokens": train_tokens,
+        "metrics": "metrics.jsonl",
+    }
+    if main_rank:
+        write_json(out / "summary.json", summary)
+        log.info("done: best %s (acceptance length %s), last %s (acceptance length %s)", summary["best"],
+                 summary["best_eval"]["acceptance_length"], summary["last"], summary["last_eval"]["acceptance_length"])
+    return summary
+
+
+def main(argv=None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    train(parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""Training on tiny-target shards: a step learns, the CLI writes its outputs, resume is exact,
+changed settings start fresh, incomplete checkpoints are ignored."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_packed_data import make_run
+
+from eaglepipe import train_draft
+
+SUMMARY_KEYS = {"best", "last", "steps", "best_eval", "last_eval", "layer_ids", "aux_layer_ids", "target_model",
+                "draft_vocab_size", "ttt_steps", "train_tokens", "metrics"}
+
+
+@pytest.fixture(scope="module")
+def run(tiny_llama, tmp_path_factory):
+    return make_run(tmp_path_factory.mktemp("run"), tiny_llama)
+
+
+def argv(run, out, **over):
+    flags = {"max-steps": 6, "eval-every": 3, "checkpoint-every": 2, "batch-tokens": 64, "warmup-steps": 1,
+             "lr": 3e-3, "ttt-steps": 3, "seed": 0}
+    flags.update({k.replace("_", "-"): v for k, v in over.items()})
+    return ["--manifest", str(run["manifest"]), "--vocab", str(run["vocab"]), "--model", str(run["model"]),
+            "--out-dir", str(out), *[x for k, v in flags.items() for x in (f"--{k}", str(v))]]
+
+
+def metrics_rows(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def weights(out, step):
+    return load_file(str(out / "checkpoints" / f"step-{step:07d}" / "model.safetensors"))
+
+
+def test_one_step_on_a_fixed_batch_learns(run):
+    from speculators.losses import resolve_loss_config
+
+    from eaglepipe.draft_model import build_draft
+    from eaglepipe.packed_data import PackedRows
+    from eaglepipe.shards import load_manifest
+
+    torch.manual_seed(0)
+    model = build_draft(run["model"], [1, 3, 5], run["vocab"], ttt_steps=3)
+    batch = next(PackedRows(load_manifest(run["manifest"]), "train", 128, shuffle=False).once())
+    keys = ("hidden_states", "input_ids", "document_ids", "loss_mask", "position_ids", "verifier_last_hidden_states")
+    b = {k: batch[k] for k in keys}
+    loss_config = resolve_loss_config("kl_div", "eager")
+    params = [p for p in model.parameters() if p.requires_grad]
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert "fc.weight" in trainable and "embed_tokens.weight" not in trainable and "lm_head.weight" not in trainable
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    _, loss0, _ = model(**b, ttt_steps=3, loss_config=loss_config)
+    loss0.backward()
+    opt.step()
+    with torch.no_grad():
+        _, loss1, _ = model(**b, ttt_steps=3, loss_config=loss_config)
+    assert loss1 < loss0
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert "fc.weight" in changed and "layers.0.self_attn.q_proj.weight" in changed
+    assert not changed & {"embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight"}
+
+
+def test_cli_outputs_and_summary(run, tmp_path):
+    out = tmp_path / "train"
+    train_draft.main(argv(run, out))
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary) == SUMMARY_KEYS
+    assert summary["steps"] == 6 and summary["last"] == "checkpoints/step-0000006"
+    assert summary["layer_ids"] == [1, 3, 5, 6] and summary["aux_layer_ids"] == [1, 3, 5]
+    assert summary["draft_vocab_size"] == 256 and summary["ttt_steps"] == 3 and summary["metrics"] == "metrics.jsonl"
+    assert (out / summary["best"] / "COMPLETE").is_file()
+    assert summary["best_eval"]["acceptance_length"] >= 1.0
+    assert summary["best_eval"]["acceptance_length"] >= summary["last_eval"]["acceptance_length"]
+    rows = metrics_rows(out)
+    evals = [r for r in rows if r["split"] == "eval"]
+    assert [r["step"] for r in evals] == [0, 2, 3, 4, 6]  # untrained draft, every 3, every checkpoint, the end
+    train_rows = [r for r in rows if r["split"] == "train"]
+    assert [r["step"] for r in train_rows] == list(range(1, 7))
+    assert {"loss", "lr", "tokens_per_s", "acc_0", "acc_2"} <= set(train_rows[0])
+    assert train_rows[-1]["train_tokens"] == summary["train_tokens"]
+    ckpts = out / "checkpoints"
+    kept = sorted(p.name for p in ckpts.glob("step-*"))
+    best = (ckpts / "best").readlink().name
+    assert set(kept) == {"step-0000004", "step-0000006", best}  # last two plus best
+    assert (ckpts / "latest").readlink().name == "step-0000006" and not (ckpts / "latest").readlink().is_absolute()
+    # the saved draft is speculators' format and reloads for evaluation
+    from eaglepipe.draft_model import load_draft
+
+    reloaded = load_draft(out / summary["last"], run["model"])
+    assert reloaded.target_layer_ids == [1, 3, 5]
+    assert torch.equal(reloaded.fc.weight, weights(out, 6)["fc.weight"])
+
+
+def test_resume_after_kill_gives_identical_weights(run, tmp_path, caplog):
+    straight = tmp_path / "straight"
+    train_draft.train(train_draft.parse_args(argv(run, straight)))
+    killed = tmp_path / "killed"
+    assert train_draft.train(train_draft.parse_args(argv(run, killed)), stop_after=3) is None  # last checkpoint: 2
+    assert max(r["step"] for r in metrics_rows(killed)) == 3
+    with caplog.at_level(logging.INFO):
+        train_draft.train(train_draft.parse_args(argv(run, killed)))
+    assert "resuming from" in caplog.text and "step-0000002 at step 2" in caplog.text
+    a, b = weights(straight, 6), weights(killed, 6)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    def strip(rows):
+        return [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in rows]
+
+    assert strip(metrics_rows(straight)) == strip(metrics_rows(killed))  # rows after the checkpoint were redone
+    sa, sb = (json.loads((d / "summary.json").read_text()) for d in (straight, killed))
+    assert sa == sb
+
+
+def test_changed_setting_starts_fresh_and_incomplete_checkpoint_is_ignored(run, tmp_path, caplog):
+    out = tmp_path / "train"
+    train_draft.train(train_draft.parse_args(argv(run, out, max_steps=4)), stop_after=4)
+    (out / "checkpoints" / "step-0000004" / "COMPLETE").unlink()  # as if killed while writing it
+    with caplog.at_level(logging.INFO):
+        train_draft.train(train_draft.parse_args(argv(run, out, max_steps=4)))
+    assert "step-0000002 at step 2" in caplog.text  # the incomplete step-4 was skipped
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        train_draft.train(train_draft.parse_args(argv(run, out, max_steps=4, lr=1e-3)))
+    assert "starting fresh" in caplog.text and "other settings" in caplog.text
+    assert [r["step"] for r in metrics_rows(out) if r["split"] == "eval"][0] == 0
+    assert json.loads((out / "summary.json").read_text())["steps"] == 4
+
+
+def test_bad_flags_and_inputs_are_clear_errors(run, tmp_path):
+    with pytest.raises(SystemExit):
+        train_draft.parse_args(argv(run, tmp_path, max_steps=0))
+    bad = tmp_path / "manifest.json"
+    bad.write_text("{}")
+    args = argv(run, tmp_path / "o")
+    args[1] = str(bad)
+    with pytest.raises(SystemExit, match="missing key"):
+        train_draft.main(args)
