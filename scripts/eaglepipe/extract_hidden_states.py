@@ -39,6 +39,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
                    "special_tokens_map.json", "chat_template.jinja")
 DISK_MARGIN = 1.05
 DISK_RESERVE = 1 << 30
+MAX_WRITERS = 8
+WRITER_MEMORY = 32 << 30
 
 
 def log(msg: str) -> None:
@@ -339,8 +341,11 @@ def main(argv=None) -> None:
         backend = load_backend(args, layer_ids, N, shard_dir)
         load_s = time.perf_counter() - t0
         log(f"{args.backend} backend loaded in {load_s:.1f}s")
-        # vLLM: several writers repack while the GPU runs the next window; CPU: one, cores are scarce
-        writers = 4 if args.backend == "vllm" or args.device == "cuda" else 1
+        # GPU: several writers pack and write while the GPU runs on, as many as WRITER_MEMORY allows
+        # (each holds ~3 copies of its batch: loaded, concatenated, checked); CPU: one, cores are scarce
+        batch_bytes = max(sum(len(s.input_ids) for s in batches[sp][b]) for sp, b in todo) * L * H * dtype_bytes
+        writers = 1 if args.backend == "hf" and args.device == "cpu" else \
+            max(1, min(MAX_WRITERS, WRITER_MEMORY // (3 * batch_bytes)))
         work = (((split, b), [s.input_ids for s in batches[split][b]]) for split, b in todo)
         with ThreadPoolExecutor(writers) as pool, TokenProgress(tokens_todo, "extract") as bar:
             def submit(key, loader):

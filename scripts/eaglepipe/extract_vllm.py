@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-# Tokens handed to one generate() call: several batches at once keep the GPU busy while the
-# previous window's shards are packed and written by the caller's threads.
-WINDOW_TOKENS = 1 << 18
+# Tokens handed to one generate() call (at least one batch): enough to keep the GPU busy, small
+# enough that the caller's threads pack and write one window while the GPU runs the next.
+WINDOW_TOKENS = 1 << 17
 
 Loader = Callable[[], list[tuple[torch.Tensor, list[int]]]]
 
