@@ -14,6 +14,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
 @contextmanager
 def atomic_path(path: str | os.PathLike):
     """Yield a temporary path beside ``path``; on success it is fsynced and renamed to ``path``."""
@@ -23,6 +27,7 @@ def atomic_path(path: str | os.PathLike):
     os.close(fd)
     try:
         yield Path(tmp)
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp creates 0600; keep results readable like any file
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
