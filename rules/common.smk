@@ -9,6 +9,7 @@ from snakemake.utils import validate
 
 REPO = Path(workflow.basedir)
 sys.path.insert(0, str(REPO / "scripts"))
+from eaglepipe.code_digest import code_digest as _code_digest
 from eaglepipe.config_check import coerce_cli_strings, config_errors, load_schema
 
 _schema = load_schema(str(REPO / "config" / "config.schema.yaml"))
@@ -29,30 +30,9 @@ wildcard_constraints:
     r=r"\d+",
 
 
-# Modules each stage runs (its CLI plus the shared modules it imports). Their content digest is a
-# param, so editing a stage's code reruns exactly that stage and its dependants; a git checkout
-# that only touches mtimes reruns nothing.
-STAGE_MODULES = {
-    "build_target": ["build_target", "atomic"],
-    "prepare_data": ["prepare_data", "chat_data", "chat_template", "atomic"],
-    "vocab_mapping": ["vocab_mapping", "atomic"],
-    "extract": ["extract_hidden_states", "extract_hf", "extract_vllm", "shards", "layers", "atomic", "progress"],
-    "gather": ["gather_manifest", "shards", "atomic"],
-    "train": ["train_draft", "draft_model", "packed_data", "acceptance", "checkpoints", "shards", "atomic", "progress"],
-    "export": ["export_draft", "draft_model", "atomic"],
-    "evaluate": ["evaluate", "draft_model", "packed_data", "acceptance", "shards", "atomic"],
-    "plots": ["plots"],
-    "benchmark_serving": ["benchmark_serving"],
-}
-
-
-def code_digest(stage):
-    h = hashlib.sha256()
-    for name in STAGE_MODULES[stage]:
-        p = PKG / f"{name}.py"
-        h.update(name.encode())
-        h.update(p.read_bytes() if p.exists() else b"<missing>")
-    return h.hexdigest()[:16]
+def code_digest(*modules):
+    """Digest of the stage modules and all eaglepipe code they import (see code_digest.py)."""
+    return _code_digest(PKG, *modules)
 
 
 def target_input(wildcards=None):

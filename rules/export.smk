@@ -15,7 +15,7 @@ rule export_draft:
         k=num_speculative_tokens(),
         drop="--drop-embedding" if config["export"]["drop_embedding"] else "--keep-embedding",
         outdir=lambda wc, output: os.path.dirname(output.config),
-        code=code_digest("export"),
+        code=code_digest("export_draft"),
     conda:
         "../envs/eaglepipe.yaml"
     shell:

@@ -29,7 +29,7 @@ rule extract_hidden_states:
         gpu_util=config["extract"]["gpu_memory_utilization"],
         eager="--enforce-eager" if config["extract"]["enforce_eager"] else "",
         shard_dir=lambda wc, output: os.path.join(os.path.dirname(os.path.dirname(output.part)), "shards"),
-        code=code_digest("extract"),
+        code=code_digest("extract_hidden_states"),
     threads: 4
     resources:
         gpu=extract_gpus(),
@@ -54,7 +54,7 @@ rule gather_hidden_states:
         "results/{run}/logs/gather_hidden_states.log",
     params:
         pythonpath=PYTHONPATH,
-        code=code_digest("gather"),
+        code=code_digest("gather_manifest"),
     conda:
         "../envs/eaglepipe.yaml"
     shell:

@@ -33,7 +33,7 @@ rule train_draft:
             else "python -m"
         ),
         outdir=lambda wc, output: os.path.dirname(output.summary),
-        code=code_digest("train"),
+        code=code_digest("train_draft"),
     threads: 2
     resources:
         gpu=config["train"]["gpus"],
