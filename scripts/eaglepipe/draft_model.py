@@ -102,7 +102,7 @@ def load_draft(draft_dir: str | Path, target: str | Path, device: torch.device |
 
     The exported config names the deploy-time verifier (a hub id this machine may not have), so
     the verifier path is pointed at the local target; an absent ``embed_tokens.weight`` (dropped
-    at export, vLLM shares the target's) is filled from the target by speculators' loader.
+    at export, vLLM shares the target's) is taken from the target.
     """
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 
@@ -114,8 +114,16 @@ def load_draft(draft_dir: str | Path, target: str | Path, device: torch.device |
     config.speculators_config.verifier.name_or_path = str(target)
     config.transformer_layer_config._attn_implementation = attn_impl_for(device)  # noqa: SLF001
     model = Eagle3DraftModel.from_pretrained(str(draft_dir), config=config, dtype=torch.float32)
-    if torch.isnan(model.embed_tokens.weight).any():
-        raise SystemExit(f"draft {draft_dir}: embed_tokens could not be filled from target {target}")
+    with safe_open(str(draft_dir / "model.safetensors"), framework="pt") as f:
+        has_embedding = "embed_tokens.weight" in f.keys()
+    if not has_embedding:
+        # speculators refills only a NaN embedding, but transformers 5 leaves a missing one as
+        # uninitialised memory (not NaN), so copy the target's explicitly
+        from speculators.utils.loading import load_model_layers
+
+        embed = load_model_layers(["embed_tokens.weight"], str(target))["embed_tokens.weight"]
+        with torch.no_grad():
+            model.embed_tokens.weight.copy_(embed)
     return model.to(device).eval()
 
 

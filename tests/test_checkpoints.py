@@ -1,0 +1,69 @@
+"""Checkpoint layout, atomicity markers, links, pruning and resume selection."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from eaglepipe import checkpoints
+
+
+@pytest.fixture(scope="module")
+def draft(tiny_llama, tmp_path_factory):
+    from eaglepipe.draft_model import build_draft
+
+    vm = tmp_path_factory.mktemp("vm") / "vocab_mapping.safetensors"
+    t2d = torch.zeros(400, dtype=torch.bool)
+    t2d[::4] = True
+    save_file({"d2t": torch.arange(0, 400, 4) - torch.arange(100), "t2d": t2d}, str(vm))
+    return build_draft(tiny_llama, [1, 3, 5], vm, ttt_steps=2)
+
+
+def state(digest="d1", step=0):
+    return {"digest": digest, "step": step, "position": [0, step], "optimizer": {}, "evals": {}, "best": None}
+
+
+def test_layout_links_and_pruning(draft, tmp_path):
+    for step in (10, 20, 30, 40):
+        checkpoints.save(tmp_path, step, draft, state(step=step), best=step == 20)
+    root = tmp_path / "checkpoints"
+    ck = root / "step-0000040"
+    assert {"config.json", "model.safetensors", "trainer_state.pt", "COMPLETE"} <= {p.name for p in ck.iterdir()}
+    assert os.readlink(root / "latest") == "step-0000040" and os.readlink(root / "best") == "step-0000020"
+    assert sorted(p.name for p in root.glob("step-*")) == ["step-0000020", "step-0000030", "step-0000040"]
+    assert not list(root.glob(".tmp-*"))
+
+
+def test_resume_picks_newest_complete_with_matching_digest(draft, tmp_path, caplog):
+    checkpoints.save(tmp_path, 1, draft, state(step=1))
+    checkpoints.save(tmp_path, 2, draft, state(step=2))
+    (tmp_path / "checkpoints" / "step-0000002" / "COMPLETE").unlink()
+    (tmp_path / "checkpoints" / ".tmp-step-0000003").mkdir()  # a save killed half-way
+    ckpt, st = checkpoints.find_resume(tmp_path, "d1")
+    assert ckpt.name == "step-0000001" and st["step"] == 1
+    with caplog.at_level(logging.WARNING):
+        assert checkpoints.find_resume(tmp_path, "other") is None
+    assert "other settings" in caplog.text and "starting fresh" in caplog.text
+    assert not (tmp_path / "checkpoints").exists()
+    assert checkpoints.find_resume(tmp_path, "d1") is None
+
+
+def test_load_weights_round_trip_and_mismatch(draft, tmp_path):
+    ck = checkpoints.save(tmp_path, 5, draft, state(step=5))
+    with torch.no_grad():
+        saved = draft.fc.weight.clone()
+        draft.fc.weight.zero_()
+    checkpoints.load_weights(draft, ck)
+    assert torch.equal(draft.fc.weight, saved)
+    save_file({"fc.weight": saved, "bogus": saved.clone()}, str(ck / "model.safetensors"))
+    with pytest.raises(SystemExit, match="weights do not fit the draft"):
+        checkpoints.load_weights(draft, ck)
+
+
+def test_settings_digest_is_order_independent():
+    assert checkpoints.settings_digest({"a": 1, "b": 2}) == checkpoints.settings_digest({"b": 2, "a": 1})
+    assert checkpoints.settings_digest({"a": 1}) != checkpoints.settings_digest({"a": 2})

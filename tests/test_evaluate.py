@@ -1,0 +1,49 @@
+"""The evaluate CLI on an exported-style draft: offline.json fields and the aux-id check."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from test_packed_data import make_run
+
+from eaglepipe import evaluate
+
+KEYS = {"acceptance_length", "k", "per_position_acceptance", "accuracy_per_position", "tokens_evaluated", "anchors",
+        "convention", "reference", "draft", "manifest"}
+
+
+def export_like(tiny_llama, run, out, aux=(1, 3, 5)):
+    from eaglepipe.draft_model import build_draft
+
+    model = build_draft(tiny_llama, list(aux), run["vocab"], ttt_steps=3)
+    model.to(torch.bfloat16).save_pretrained(str(out))
+    w = load_file(str(out / "model.safetensors"))
+    del w["embed_tokens.weight"]
+    save_file(w, str(out / "model.safetensors"))
+    return out
+
+
+def test_offline_json(tiny_llama, tmp_path):
+    run = make_run(tmp_path, tiny_llama, n_train=2)
+    draft = export_like(tiny_llama, run, tmp_path / "draft")
+    out = tmp_path / "eval" / "offline.json"
+    evaluate.main(["--draft", str(draft), "--manifest", str(run["manifest"]), "--split", "eval",
+                   "--model", str(tiny_llama), "--k", "2", "--out", str(out)])
+    res = json.loads(out.read_text())
+    assert KEYS <= set(res)
+    assert res["k"] == 2 and len(res["per_position_acceptance"]) == 2 and len(res["accuracy_per_position"]) == 2
+    scored = sum(int(s["loss_mask"].sum()) for s in run["eval"])
+    assert res["anchors"] == scored and res["chains_cut"] == 0
+    assert res["tokens_evaluated"] == sum(len(s["input_ids"]) - 1 for s in run["eval"])
+    assert 1.0 <= res["acceptance_length"] <= 3.0
+
+
+def test_aux_ids_must_match_manifest(tiny_llama, tmp_path):
+    run = make_run(tmp_path, tiny_llama, n_train=2, n_eval=2)
+    draft = export_like(tiny_llama, run, tmp_path / "draft", aux=(2, 3, 5))
+    with pytest.raises(SystemExit, match=r"eagle_aux_hidden_state_layer_ids \[2, 3, 5\] differ"):
+        evaluate.main(["--draft", str(draft), "--manifest", str(run["manifest"]), "--model", str(tiny_llama),
+                       "--k", "2", "--out", str(tmp_path / "o.json")])
