@@ -1,19 +1,23 @@
-rule build_target:
-    output:
-        directory(config["target"]["model"]),
-    log:
-        "results/logs/build_target.log",
-    benchmark:
-        "results/benchmarks/build_target.tsv"
-    params:
-        pythonpath=PYTHONPATH,
-        recipe=config["target"]["build"],
-        code=code_digest("build_target"),
-    threads: 2
-    conda:
-        "../envs/eaglepipe.yaml"
-    shell:
-        "PYTHONPATH={params.pythonpath} exec python -m eaglepipe.build_target --recipe {params.recipe} --out {output} > {log} 2>&1"
+# Only when the config asks the pipeline to build the target: otherwise an existing model
+# directory must never look like this rule's output.
+if config["target"]["build"]:
+
+    rule build_target:
+        output:
+            directory(config["target"]["model"]),
+        log:
+            "results/logs/build_target.log",
+        benchmark:
+            "results/benchmarks/build_target.tsv"
+        params:
+            pythonpath=PYTHONPATH,
+            recipe=config["target"]["build"],
+            code=code_digest("build_target"),
+        threads: 2
+        conda:
+            "../envs/eaglepipe.yaml"
+        shell:
+            "PYTHONPATH={params.pythonpath} exec python -m eaglepipe.build_target --recipe {params.recipe} --out {output} > {log} 2>&1"
 
 
 rule prepare_data:

@@ -60,9 +60,11 @@ def dry_run(ws: Path, *args: str) -> tuple[dict[str, int], dict[str, set[str]], 
         for line in r.group(1).splitlines():
             if line.strip().startswith("(check"):
                 continue
-            if line.startswith("    ") and not line.startswith("        "):
+            if not line.startswith("    "):
+                current = None
+            elif not line.startswith("        "):
                 current = line.strip().rstrip(":")
-            elif current and line.strip():
+            elif current and line.startswith("        "):
                 reasons[current] = {x.strip() for x in line.split(",") if x.strip()}
     return jobs, reasons, out
 
