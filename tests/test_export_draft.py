@@ -2,11 +2,9 @@
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from eaglepipe import export_draft as ex

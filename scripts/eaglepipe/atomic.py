@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,6 +17,47 @@ from pathlib import Path
 
 _UMASK = os.umask(0)
 os.umask(_UMASK)
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make a rename or new entry in ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def atomic_dir(path: str | os.PathLike):
+    """Yield a temporary directory beside ``path``; on success it replaces ``path`` whole.
+
+    Files get the umask's modes (mkdtemp and some writers create owner-only ones) and are fsynced
+    before the rename publishes them. A previous ``path`` is moved aside first (a directory
+    cannot be renamed over a non-empty one) and removed afterwards.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{path.name}.", dir=path.parent))
+    old = None
+    try:
+        yield tmp
+        for p in sorted(tmp.rglob("*"), reverse=True) + [tmp]:
+            p.chmod((0o777 if p.is_dir() else 0o666) & ~_UMASK)
+            if p.is_file():
+                with open(p, "rb") as f:
+                    os.fsync(f.fileno())
+            else:
+                fsync_dir(p)
+        if path.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".tmp-old-{path.name}.", dir=path.parent))
+            path.rename(old / path.name)
+        tmp.rename(path)
+        fsync_dir(path.parent)
+    finally:
+        for leftover in (tmp, old):
+            if leftover is not None and leftover.exists():
+                shutil.rmtree(leftover)
 
 
 @contextmanager
@@ -31,11 +73,7 @@ def atomic_path(path: str | os.PathLike):
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        fsync_dir(path.parent)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

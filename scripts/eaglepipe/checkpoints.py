@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from .atomic import atomic_dir
+
 log = logging.getLogger(__name__)
 
 MARKER = "COMPLETE"
@@ -35,22 +37,6 @@ def step_name(step: int) -> str:
 
 def settings_digest(settings: dict) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def _fsync_tree(path: Path) -> None:
-    for p in sorted(path.rglob("*")):
-        if p.is_file():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-    _fsync_dir(path)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _set_link(root: Path, name: str, target: str) -> None:
@@ -74,17 +60,11 @@ def save(out_dir: str | Path, step: int, model, state: dict, best: bool = False,
     root = Path(out_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / step_name(step)
-    tmp = root / f".tmp-{final.name}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(str(tmp))
-    torch.save(state, tmp / STATE)
-    _fsync_tree(tmp)
-    (tmp / MARKER).write_text(json.dumps({"step": step, "digest": state["digest"]}) + "\n")
-    _fsync_tree(tmp)
-    if final.exists():  # an older run's directory of the same step (incomplete or superseded)
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _fsync_dir(root)
+    # atomic_dir replaces an older run's directory of the same step (incomplete or superseded)
+    with atomic_dir(final) as tmp:
+        model.save_pretrained(str(tmp))
+        torch.save(state, tmp / STATE)
+        (tmp / MARKER).write_text(json.dumps({"step": step, "digest": state["digest"]}) + "\n")
     _set_link(root, "latest", final.name)
     if best:
         _set_link(root, "best", final.name)

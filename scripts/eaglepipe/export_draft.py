@@ -16,15 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from .atomic import atomic_dir
 from .layers import CONVENTION
 
 SUMMARY_KEYS = ("best", "last", "steps", "best_eval", "layer_ids", "aux_layer_ids", "target_model",
@@ -257,28 +256,13 @@ def export_draft(summary_path: str, which: str, verifier_name: str, k: int, drop
     if out.exists() and any(out.iterdir()):
         raise ExportError(f"--out-dir {out} already holds {sorted(p.name for p in out.iterdir())}; "
                           f"a delivered draft is never overwritten, delete it on purpose")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}.", dir=out.parent))
-    try:
+    with atomic_dir(out) as tmp:  # an empty out-dir (Snakemake may create it) is replaced
         (tmp / "config.json").write_text(json.dumps(out_cfg, indent=2, sort_keys=True) + "\n")
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         data_stats = read_data_stats(Path(summary_path).parent.parent / "data" / "stats.json")
         (tmp / CARD_NAME).write_text(model_card(out_cfg, summary, ckpt, which, out, k, EMBED not in tensors, data_stats))
         validate_export(tmp)
         roundtrip_check(tmp, summary["target_model"], tensors, out)
-        for f in tmp.iterdir():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        if out.exists():
-            out.rmdir()  # empty: Snakemake may create the output directory before the job
-        os.replace(tmp, out)
-        dir_fd = os.open(out.parent, os.O_RDONLY)  # make the rename durable, as atomic.atomic_path does
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return {"checkpoint": str(ckpt), "out_dir": str(out), "embedding_bytes_saved": saved,
             "bytes": (out / "model.safetensors").stat().st_size}
 
