@@ -1,0 +1,49 @@
+"""Training under torchrun with 2 processes (DDP over gloo on CPU), and resume on another world size."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_packed_data import make_run
+from test_train_draft import argv
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def run(tiny_llama, tmp_path_factory):
+    return make_run(tmp_path_factory.mktemp("ddp"), tiny_llama)
+
+
+def train(args, nproc):
+    env = dict(os.environ, PYTHONPATH=str(REPO / "scripts"), OMP_NUM_THREADS="1")
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    cmd = (launcher if nproc > 1 else [sys.executable]) + ["-m", "eaglepipe.train_draft", *args]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return p.stdout + p.stderr
+
+
+def test_two_processes_train_checkpoint_once_and_resume_on_one(run, tmp_path):
+    out = tmp_path / "train"
+    flags = dict(max_steps=6, checkpoint_every=2, eval_every=2)
+    log = train(argv(run, out, **flags), nproc=2)
+    assert "world size 2" in log
+    assert {"step-0000004", "step-0000006"} <= {p.name for p in (out / "checkpoints").glob("step-*")}
+    saves = [l for l in log.splitlines() if "INFO eaglepipe.train_draft: checkpoint " in l]
+    assert len(saves) == 3, saves  # steps 2, 4, 6: written once, by rank 0, not once per rank
+    steps = [json.loads(l)["step"] for l in (out / "metrics.jsonl").read_text().splitlines() if '"train"' in l]
+    assert len(steps) == len(set(steps))  # one metrics row per step, not one per rank
+
+    # as if the 2-process job died after step 4: resume it with one process
+    shutil.rmtree(out / "checkpoints" / "step-0000006")
+    (out / "summary.json").unlink()
+    log = train(argv(run, out, **flags), nproc=1)
+    assert "resuming from" in log and "saved with world size 2, now 1" in log, log[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 6 and summary["last"] == "checkpoints/step-0000006"
