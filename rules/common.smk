@@ -84,7 +84,10 @@ def num_speculative_tokens():
 def replica_parts(wildcards):
     r = config["extract"]["replicas"]
     return expand(
-        "results/{run}/hidden_states/parts/replica-{i}-of-{r}.json", run=wildcards.run, i=range(r), r=r
+        "results/{run}/hidden_states/parts/replica-{i}-of-{r}.json",
+        run=wildcards.run,
+        i=range(r),
+        r=r,
     )
 
 

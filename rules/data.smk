@@ -9,13 +9,13 @@ if config["target"]["build"]:
             "results/logs/build_target.log",
         benchmark:
             "results/benchmarks/build_target.tsv"
+        conda:
+            "../envs/eaglepipe.yaml"
+        threads: 2
         params:
             pythonpath=PYTHONPATH,
             recipe=config["target"]["build"],
             code=code_digest("build_target"),
-        threads: 2
-        conda:
-            "../envs/eaglepipe.yaml"
         shell:
             "PYTHONPATH={params.pythonpath} exec python -m eaglepipe.build_target --recipe {params.recipe} --out {output} > {log} 2>&1"
 
@@ -28,13 +28,18 @@ rule prepare_data:
         train="results/{run}/data/train.jsonl",
         eval="results/{run}/data/eval.jsonl",
         stats=report(
-            "results/{run}/data/stats.json", category="1. Data", caption="../report/data_stats.rst"
+            "results/{run}/data/stats.json",
+            category="1. Data",
+            caption="../report/data_stats.rst",
         ),
         token_freq="results/{run}/data/token_freq.safetensors",
     log:
         "results/{run}/logs/prepare_data.log",
     benchmark:
         "results/{run}/benchmarks/prepare_data.tsv"
+    conda:
+        "../envs/eaglepipe.yaml"
+    threads: 2
     params:
         pythonpath=PYTHONPATH,
         data=config["data"]["path"],
@@ -48,9 +53,6 @@ rule prepare_data:
         revision=revision_flag(),
         outdir=lambda wc, output: os.path.dirname(output.train),
         code=code_digest("prepare_data"),
-    threads: 2
-    conda:
-        "../envs/eaglepipe.yaml"
     shell:
         "PYTHONPATH={params.pythonpath} exec python -m eaglepipe.prepare_data --data {params.data} --model {params.model} {params.revision} "
         "{params.trust} --out-dir {params.outdir} --max-samples {params.max_samples} "
@@ -65,12 +67,12 @@ rule vocab_mapping:
         "results/{run}/data/vocab_mapping.safetensors",
     log:
         "results/{run}/logs/vocab_mapping.log",
+    conda:
+        "../envs/eaglepipe.yaml"
     params:
         pythonpath=PYTHONPATH,
         size=config["draft"]["vocab_size"],
         code=code_digest("vocab_mapping"),
-    conda:
-        "../envs/eaglepipe.yaml"
     shell:
         "PYTHONPATH={params.pythonpath} exec python -m eaglepipe.vocab_mapping --token-freq {input.token_freq} "
         "--draft-vocab-size {params.size} --out {output} > {log} 2>&1"

@@ -11,6 +11,9 @@ rule evaluate_offline:
         ),
     log:
         "results/{run}/logs/evaluate_offline.log",
+    conda:
+        "../envs/eaglepipe.yaml"
+    threads: 2
     params:
         pythonpath=PYTHONPATH,
         model=target_arg,
@@ -18,9 +21,6 @@ rule evaluate_offline:
         draft=lambda wc, input: os.path.dirname(input.draft),
         k=config["evaluate"]["k"] or config["train"]["ttt_steps"],
         code=code_digest("evaluate"),
-    threads: 2
-    conda:
-        "../envs/eaglepipe.yaml"
     shell:
         "PYTHONPATH={params.pythonpath} exec python -m eaglepipe.evaluate --draft {params.draft} --manifest {input.manifest} "
         "--split eval --model {params.model} {params.trust} --k {params.k} "
@@ -46,11 +46,11 @@ rule plot_report:
         ),
     log:
         "results/{run}/logs/plot_report.log",
+    conda:
+        "../envs/eaglepipe.yaml"
     params:
         pythonpath=PYTHONPATH,
         code=code_digest("plots"),
-    conda:
-        "../envs/eaglepipe.yaml"
     shell:
         "PYTHONPATH={params.pythonpath} exec python -m eaglepipe.plots --metrics {input.metrics} --stats {input.stats} "
         "--manifest {input.manifest} --offline {input.offline} "
@@ -65,10 +65,16 @@ rule benchmark_serving:
         model=target_input(),
     output:
         report(
-            "results/{run}/eval/serving.json", category="4. Evaluation", caption="../report/serving.rst"
+            "results/{run}/eval/serving.json",
+            category="4. Evaluation",
+            caption="../report/serving.rst",
         ),
     log:
         "results/{run}/logs/benchmark_serving.log",
+    conda:
+        "../envs/vllm.yaml"
+    resources:
+        gpu=config["extract"]["tensor_parallel_size"],
     params:
         pythonpath=PYTHONPATH,
         model=target_arg,
@@ -79,10 +85,6 @@ rule benchmark_serving:
         n=config["benchmark_serving"]["num_prompts"],
         max_tokens=config["benchmark_serving"]["max_tokens"],
         code=code_digest("benchmark_serving"),
-    resources:
-        gpu=config["extract"]["tensor_parallel_size"],
-    conda:
-        "../envs/vllm.yaml"
     shell:
         "PYTHONPATH={params.pythonpath} exec python -m eaglepipe.benchmark_serving --model {params.model} {params.trust} "
         "--draft {params.draft} --prompts {input.eval} --num-prompts {params.n} "

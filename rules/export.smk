@@ -8,16 +8,20 @@ rule export_draft:
         card=protected("results/{run}/draft/README.md"),
     log:
         "results/{run}/logs/export_draft.log",
+    conda:
+        "../envs/eaglepipe.yaml"
     params:
         pythonpath=PYTHONPATH,
         which=config["export"]["which"],
         verifier=config["target"]["deploy_name"] or config["target"]["model"],
         k=num_speculative_tokens(),
-        drop="--drop-embedding" if config["export"]["drop_embedding"] else "--keep-embedding",
+        drop=(
+            "--drop-embedding"
+            if config["export"]["drop_embedding"]
+            else "--keep-embedding"
+        ),
         outdir=lambda wc, output: os.path.dirname(output.config),
         code=code_digest("export_draft"),
-    conda:
-        "../envs/eaglepipe.yaml"
     shell:
         "PYTHONPATH={params.pythonpath} exec python -m eaglepipe.export_draft --summary {input.summary} --which {params.which} "
         "--verifier-name '{params.verifier}' --num-speculative-tokens {params.k} {params.drop} "

@@ -13,6 +13,13 @@ rule extract_hidden_states:
         "results/{run}/logs/extract_hidden_states.replica-{i}-of-{r}.log",
     benchmark:
         "results/{run}/benchmarks/extract_hidden_states.replica-{i}-of-{r}.tsv"
+    conda:
+        "../envs/vllm.yaml"
+        if config["extract"]["backend"] == "vllm"
+        else "../envs/eaglepipe.yaml"
+    threads: 4
+    resources:
+        gpu=extract_gpus(),
     params:
         pythonpath=PYTHONPATH,
         model=target_arg,
@@ -28,13 +35,10 @@ rule extract_hidden_states:
         max_model_len=config["extract"]["max_model_len"],
         gpu_util=config["extract"]["gpu_memory_utilization"],
         eager="--enforce-eager" if config["extract"]["enforce_eager"] else "",
-        shard_dir=lambda wc, output: os.path.join(os.path.dirname(os.path.dirname(output.part)), "shards"),
+        shard_dir=lambda wc, output: os.path.join(
+            os.path.dirname(os.path.dirname(output.part)), "shards"
+        ),
         code=code_digest("extract_hidden_states"),
-    threads: 4
-    resources:
-        gpu=extract_gpus(),
-    conda:
-        "../envs/vllm.yaml" if config["extract"]["backend"] == "vllm" else "../envs/eaglepipe.yaml"
     shell:
         "PYTHONPATH={params.pythonpath} exec python -m eaglepipe.extract_hidden_states --train {input.train} --eval {input.eval} "
         "--model {params.model} {params.revision} {params.trust} --backend {params.backend} "
@@ -52,10 +56,10 @@ rule gather_hidden_states:
         manifest="results/{run}/hidden_states/manifest.json",
     log:
         "results/{run}/logs/gather_hidden_states.log",
+    conda:
+        "../envs/eaglepipe.yaml"
     params:
         pythonpath=PYTHONPATH,
         code=code_digest("gather_manifest"),
-    conda:
-        "../envs/eaglepipe.yaml"
     shell:
         "PYTHONPATH={params.pythonpath} exec python -m eaglepipe.gather_manifest --out {output.manifest} {input} > {log} 2>&1"

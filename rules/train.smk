@@ -12,6 +12,11 @@ rule train_draft:
         "results/{run}/logs/train_draft.log",
     benchmark:
         "results/{run}/benchmarks/train_draft.tsv"
+    conda:
+        "../envs/eaglepipe.yaml"
+    threads: 2
+    resources:
+        gpu=config["train"]["gpus"],
     params:
         pythonpath=PYTHONPATH,
         model=target_arg,
@@ -34,11 +39,6 @@ rule train_draft:
         ),
         outdir=lambda wc, output: os.path.dirname(output.summary),
         code=code_digest("train_draft"),
-    threads: 2
-    resources:
-        gpu=config["train"]["gpus"],
-    conda:
-        "../envs/eaglepipe.yaml"
     shell:
         "PYTHONPATH={params.pythonpath} exec {params.launcher} eaglepipe.train_draft "
         "--manifest {input.manifest} --vocab {input.vocab} --model {params.model} {params.trust} "

@@ -136,3 +136,9 @@ def test_lint_is_clean():
     p = subprocess.run([sys.executable, "-m", "snakemake", "--lint", "--directory", str(REPO),
                         "--workflow-profile", "none"], capture_output=True, text=True, cwd=REPO)
     assert p.returncode == 0, p.stdout + p.stderr
+
+
+def test_snakefmt_is_clean():
+    p = subprocess.run([sys.executable, "-m", "snakefmt", "--check", "Snakefile", "rules"],
+                       capture_output=True, text=True, cwd=REPO)
+    assert p.returncode == 0, p.stdout + p.stderr
