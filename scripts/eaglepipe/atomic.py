@@ -84,6 +84,17 @@ def write_json(path: str | os.PathLike, obj) -> None:
         tmp.write_text(json.dumps(obj, indent=1, sort_keys=False) + "\n")
 
 
+def read_json_object(path: str | os.PathLike, what: str, error: type[Exception] = ValueError) -> dict:
+    """The JSON object in ``path``; anything else raises ``error`` naming what and where."""
+    try:
+        obj = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise error(f"{what} {path}: cannot be read as JSON ({e})") from e
+    if not isinstance(obj, dict):
+        raise error(f"{what} {path}: expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -23,7 +23,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from .atomic import atomic_dir
+from .atomic import atomic_dir, read_json_object
 from .layers import CONVENTION
 
 SUMMARY_KEYS = ("best", "last", "steps", "best_eval", "layer_ids", "aux_layer_ids", "target_model",
@@ -42,12 +42,7 @@ class ExportError(ValueError):
 # ----------------------------------------------------------------------------- inputs
 def load_summary(path: str | os.PathLike) -> dict:
     path = Path(path)
-    try:
-        summary = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ExportError(f"training summary {path}: cannot be read as JSON ({e})") from e
-    if not isinstance(summary, dict):
-        raise ExportError(f"training summary {path}: expected a JSON object, got {type(summary).__name__}")
+    summary = read_json_object(path, "training summary", ExportError)
     missing = [k for k in SUMMARY_KEYS if k not in summary]
     if missing:
         raise ExportError(f"training summary {path}: missing key(s) {missing}; the trainer writes {list(SUMMARY_KEYS)}")

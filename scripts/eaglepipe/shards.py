@@ -25,7 +25,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .atomic import atomic_path, sha256_file, write_json
+from .atomic import atomic_path, read_json_object, sha256_file, write_json
 
 FORMAT_VERSION = 1
 STORAGE_DTYPES = ("model", "fp8")
@@ -166,10 +166,7 @@ def write_manifest(path: str | os.PathLike, manifest: dict) -> None:
 
 def load_manifest(path: str | os.PathLike) -> dict:
     path = Path(path)
-    try:
-        m = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"manifest {path}: cannot be read ({e})") from e
+    m = read_json_object(path, "manifest")
     for key in ("layer_ids", "splits", "shard_dir", "target"):
         if key not in m:
             raise ValueError(f"manifest {path}: missing key {key!r}")
