@@ -1,17 +1,20 @@
 #!/usr/bin/env python3
-"""Extraction throughput on one GPU: our CLI (vLLM backend, shards on disk) against plain vLLM
-prefill and against our hf backend, same model and same tokens.
+"""Extraction throughput on one GPU: our CLI (vLLM backend, shards written) against plain vLLM
+prefill and against our hf backend, same model and same tokens, in one run.
 
-  python3 benchmarks/bench_extraction.py [--arch llama1b --n 1024 --len 1024 --json FILE]
+  python3 benchmarks/bench_extraction.py [--arch llama1b --n 512 --len 1024 --json FILE]
 
 Run on the H200 from the repository root after vLLM was staged (PYTHONPATH=/tmp/site). Rows:
-  ours vllm   python -m eaglepipe.extract_hidden_states --backend vllm: tokens / seconds from
-              the first generate() to the last shard written (fsynced, checksummed); no model load
-  plain vllm  LLM.generate(max_tokens=1) without capture, the first call after start (cold, as
-              ours) and a second one (warm)
-  ours hf     the same CLI with --backend hf --device cuda
-plus the disk's write+fsync speed, which bounds any extraction that keeps its shards. Targets:
-ours vllm >= 0.8x plain and >= 3x ours hf. ~3-4 minutes for the defaults (two vLLM starts).
+  plain vllm   LLM.generate(max_tokens=1) without capture, the first call after start (cold, as
+               ours) and a second one (warm)
+  ours vllm    python -m eaglepipe.extract_hidden_states --backend vllm: tokens / seconds from the
+               first generate() to the last shard written (fsynced, checksummed); no model load.
+               Shards on the disk (staging beside them, the default, or on the RAM disk with
+               --staging-dir), and shards on the RAM disk (the pipeline's own bound, disk removed)
+  ours hf      the same CLI with --backend hf --device cuda, shards on disk and on the RAM disk
+plus the disk's write+fsync speed, which bounds any extraction that keeps its shards on it.
+Targets: ours vllm >= 0.8x plain and >= 3x ours hf. The RAM disk (default /dev/shm) is used only
+where it has room; JSON is rewritten after every row. ~6 minutes for the defaults.
 """
 
 import argparse
@@ -86,37 +89,37 @@ def run(cmd: list[str], log: Path, timeout: int) -> tuple[float, str]:
     return time.perf_counter() - t, p.stdout
 
 
-def ours(args, backend: str, log: Path) -> dict:
+def ours(args, backend: str, log: Path, shard_root: Path, staging: Path | None = None,
+         storage: str = "model") -> dict:
     work = Path(args.work)
-    out = work / backend / "part.json"
-    shutil.rmtree(work / backend, ignore_errors=True)
+    out = shard_root / "part.json"
+    shutil.rmtree(shard_root, ignore_errors=True)
     wall, _ = run([sys.executable, "-m", "eaglepipe.extract_hidden_states",
                    "--train", str(work / "data" / "train.jsonl"), "--eval", str(work / "data" / "eval.jsonl"),
                    "--model", str(work / "model"), "--backend", backend, "--device", "cuda",
                    "--tensor-parallel-size", "1", "--layer-ids", args.layer_ids,
-                   "--batch-size", str(args.batch_size), "--storage-dtype", "model", "--dtype", "bfloat16",
+                   "--batch-size", str(args.batch_size), "--storage-dtype", storage, "--dtype", "bfloat16",
                    "--max-model-len", str(args.max_model_len), "--gpu-memory-utilization", str(args.gpu_util),
-                   *([] if args.compiled else ["--enforce-eager"]), "--shard-dir", str(work / backend / "shards"),
+                   *([] if args.compiled else ["--enforce-eager"]),
+                   *(["--staging-dir", str(staging)] if staging else []), "--shard-dir", str(shard_root / "shards"),
                    "--replica", "0", "--replicas", "1", "--out", str(out)], log, 540)
     m = json.loads(out.read_text())
-    res = dict(m["throughput"], wall_s=round(wall, 1), bytes=sum(s["bytes"] for s in m["splits"].values()),
-               shards=sum(len(s["shards"]) for s in m["splits"].values()))
-    shutil.rmtree(work / backend, ignore_errors=True)  # tens of GB; the next row needs the disk
-    return res
+    return dict(m["throughput"], wall_s=round(wall, 1), bytes=sum(s["bytes"] for s in m["splits"].values()),
+                shards=sum(len(s["shards"]) for s in m["splits"].values()))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", default="llama1b", choices=["llama", "llama1b", "dsv3"])
-    ap.add_argument("--n", type=int, default=1024, help="train samples (plus 8 eval)")
+    ap.add_argument("--n", type=int, default=512, help="train samples (plus 8 eval)")
     ap.add_argument("--len", type=int, default=1024, help="tokens per sample")
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--layer-ids", default="2,8,13,16", help="llama1b: N=16")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--gpu-util", type=float, default=0.8)
     ap.add_argument("--compiled", action="store_true", help="vLLM with torch.compile + CUDA graphs")
-    ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--work", default="/tmp/bench_extraction")
+    ap.add_argument("--work", default="/tmp/bench_extraction", help="on the disk under test")
+    ap.add_argument("--ram", default="/dev/shm", help="RAM disk for the rows without the disk")
     ap.add_argument("--log", default=None, help="log of every command (default WORK/bench.log)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plain", action="store_true", help=argparse.SUPPRESS)  # the child process
@@ -134,38 +137,69 @@ def main() -> None:
     run([sys.executable, str(REPO / "benchmarks" / "make_random_target.py"), "--data-out", str(work / "data"),
          "--n", str(args.n), "--len", str(args.len)], log, 120)
     res = {"arch": args.arch, "n": args.n, "len": args.len, "batch_size": args.batch_size,
-           "layer_ids": args.layer_ids, "compiled": args.compiled}
+           "layer_ids": args.layer_ids, "compiled": args.compiled, "rows": {}}
     res["disk_write_fsync_bytes_per_s"] = round(disk_speed(work))
     print(f"disk write+fsync: {res['disk_write_fsync_bytes_per_s'] / 2**30:.2f} GiB/s", flush=True)
-    res["ours_vllm"] = ours(args, "vllm", log)
-    print("ours vllm", res["ours_vllm"], flush=True)
-    _, out = run([sys.executable, __file__, "--plain", "--work", str(work), "--max-model-len",
-                  str(args.max_model_len), "--gpu-util", str(args.gpu_util),
-                  *(["--compiled"] if args.compiled else [])], log, 300)
-    res["plain_vllm"] = json.loads([x for x in out.splitlines() if x.startswith("PLAIN ")][-1][6:])
-    print("plain vllm", res["plain_vllm"], flush=True)
-    if not args.skip_hf:
-        res["ours_hf"] = ours(args, "hf", log)
-        print("ours hf", res["ours_hf"], flush=True)
 
-    v = res["ours_vllm"]["tokens_per_s"]
-    bpt = res["ours_vllm"]["bytes"] / max(res["ours_vllm"]["tokens"], 1)
+    def save():
+        if args.json:
+            Path(args.json).write_text(json.dumps(res, indent=1))
+
+    def row(name, fn):
+        res["rows"][name] = fn()
+        print(name, res["rows"][name], flush=True)
+        save()
+
+    row("plain vllm", lambda: json.loads([x for x in run(
+        [sys.executable, __file__, "--plain", "--work", str(work), "--max-model-len", str(args.max_model_len),
+         "--gpu-util", str(args.gpu_util), *(["--compiled"] if args.compiled else [])], log, 300)[1].splitlines()
+        if x.startswith("PLAIN ")][-1][6:]))
+    disk = work / "out"
+    row("ours vllm, disk", lambda: ours(args, "vllm", log, disk))
+    row("ours hf, disk", lambda: ours(args, "hf", log, disk))
+    shutil.rmtree(disk, ignore_errors=True)  # tens of GB
+    ram = Path(args.ram) / "eaglepipe-bench"
+    ram_free = shutil.disk_usage(args.ram).free if Path(args.ram).is_dir() else 0
+    need = 1.2 * res["rows"]["ours vllm, disk"]["bytes"]
+    if ram_free < need:
+        res["ram_note"] = f"{args.ram} has {ram_free / 2**30:.1f} GiB free, the RAM rows need {need / 2**30:.1f}"
+        print(res["ram_note"] + ": RAM rows skipped", flush=True)
+    else:
+        ram.mkdir(exist_ok=True)
+        row("ours vllm, disk, staging in RAM", lambda: ours(args, "vllm", log, disk, staging=ram))
+        row("ours vllm, disk, fp8, staging in RAM", lambda: ours(args, "vllm", log, disk, staging=ram, storage="fp8"))
+        shutil.rmtree(disk, ignore_errors=True)
+        row("ours vllm, RAM", lambda: ours(args, "vllm", log, ram / "vllm"))
+        shutil.rmtree(ram / "vllm", ignore_errors=True)
+        row("ours hf, RAM", lambda: ours(args, "hf", log, ram / "hf"))
+        shutil.rmtree(ram, ignore_errors=True)
+
+    rows = res["rows"]
+    plain_warm = rows["plain vllm"]["warm_tok_per_s"]
+    bpt = rows["ours vllm, disk"]["bytes"] / max(rows["ours vllm, disk"]["tokens"], 1)
+    res["bytes_per_token"] = round(bpt)
     res["disk_bound_tok_per_s"] = round(res["disk_write_fsync_bytes_per_s"] / bpt)
-    res["ratio_vs_plain_cold"] = round(v / res["plain_vllm"]["cold_tok_per_s"], 3)
-    res["ratio_vs_plain_warm"] = round(v / res["plain_vllm"]["warm_tok_per_s"], 3)
-    rows = [("ours vllm (shards on disk)", v, ""),
-            ("plain vllm prefill, cold", res["plain_vllm"]["cold_tok_per_s"], f"ours/plain {res['ratio_vs_plain_cold']:.2f}"),
-            ("plain vllm prefill, warm", res["plain_vllm"]["warm_tok_per_s"], f"ours/plain {res['ratio_vs_plain_warm']:.2f}"),
-            ("disk write+fsync bound", res["disk_bound_tok_per_s"], f"{bpt:.0f} B/token")]
-    if "ours_hf" in res:
-        res["ratio_vs_hf"] = round(v / res["ours_hf"]["tokens_per_s"], 3)
-        rows.append(("ours hf (cuda)", res["ours_hf"]["tokens_per_s"], f"ours vllm/hf {res['ratio_vs_hf']:.2f}"))
-    print(f"\n{'':<28} {'tok/s':>10}  note")
-    for name, tps, note in rows:
-        print(f"{name:<28} {tps:>10,.0f}  {note}")
+    table = [("plain vllm prefill, cold", rows["plain vllm"]["cold_tok_per_s"], ""),
+             ("plain vllm prefill, warm", plain_warm, "= 1"),
+             ("disk write+fsync bound", res["disk_bound_tok_per_s"], f"{bpt:.0f} B/token")]
+    for name, r in rows.items():
+        if name.startswith("ours vllm"):
+            hf = rows.get("ours hf, RAM" if name.endswith("RAM") and "disk" not in name else "ours hf, disk")
+            r["ratio_vs_plain_warm"] = round(r["tokens_per_s"] / plain_warm, 3)
+            note = f"{r['ratio_vs_plain_warm']:.2f}x plain"
+            if hf:
+                r["ratio_vs_hf"] = round(r["tokens_per_s"] / hf["tokens_per_s"], 2)
+                note += f", {r['ratio_vs_hf']:.2f}x hf"
+            if "disk" in name:
+                note += f", {r['tokens_per_s'] * r['bytes'] / r['tokens'] / res['disk_write_fsync_bytes_per_s']:.2f} of disk bound"
+            table.append((name, r["tokens_per_s"], note))
+        elif name.startswith("ours hf"):
+            table.append((name, r["tokens_per_s"], f"{r['tokens_per_s'] / plain_warm:.2f}x plain"))
+    save()
+    print(f"\n{'':<38} {'tok/s':>10}  note")
+    for name, tps, note in table:
+        print(f"{name:<38} {tps:>10,.0f}  {note}")
     print("BENCH " + json.dumps(res), flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":

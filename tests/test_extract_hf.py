@@ -10,6 +10,7 @@ import tiny
 from eaglepipe import extract_hidden_states as ehs
 from eaglepipe import shards
 from eaglepipe.extract_hf import HFExtractor
+from eaglepipe.extract_hidden_states import all_finite
 
 
 def reference(model_dir, seq):
@@ -155,3 +156,39 @@ def test_refuses_to_start_without_disk_space(tmp_path, tiny_llama, monkeypatch):
     with pytest.raises(SystemExit, match="not enough disk space in .*100.0 MiB is free"):
         cli(tmp_path, tiny_llama)
     assert not list((tmp_path / "hs" / "shards").glob("*.safetensors"))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf"), None])
+def test_all_finite_is_exact(bad):
+    x = torch.randn(64, 4, 32).to(torch.bfloat16)
+    if bad is None:  # +inf and -inf together: the sum is nan
+        x[3, 1, 2], x[9, 0, 0] = float("inf"), float("-inf")
+    else:
+        x[5, 2, 7] = bad
+    assert not all_finite(x)
+    assert all_finite(torch.randn(64, 4, 32).to(torch.bfloat16))
+
+
+def test_all_finite_survives_a_sum_that_overflows():
+    x = torch.full((8, 2), 3e38, dtype=torch.bfloat16)  # every element finite, their sum is not
+    assert not torch.isfinite(x.sum()) and all_finite(x)
+
+
+def test_vllm_staging_on_another_filesystem_is_checked_on_its_own(tmp_path, tiny_llama, monkeypatch):
+    from collections import namedtuple
+
+    ram = tmp_path / "ram"
+    ram.mkdir()
+    usage = namedtuple("usage", "total used free")
+    free = {ram: 1 << 30}  # the shard disk has room, the RAM disk lacks it for two windows
+    monkeypatch.setattr(ehs.shutil, "disk_usage", lambda p: usage(1 << 40, 0, free.get(p, 1 << 40)))
+    monkeypatch.setattr(ehs, "same_filesystem", lambda a, b: False)
+    with pytest.raises(SystemExit, match=f"not enough disk space in {ram}: vLLM's staging of two windows"):
+        cli(tmp_path, tiny_llama, "--backend", "vllm", "--staging-dir", str(ram))
+    args = ehs.parse_args(["--train", "t", "--eval", "e", "--model", "m", "--shard-dir", "s", "--out", "o",
+                           "--staging-dir", str(ram), "--replica", "1", "--replicas", "2"])
+    sub = ehs.staging_dir(args, tmp_path / "s")
+    assert sub.parent == ram and sub.name.endswith("-replica1")  # never the user's directory itself
+    with pytest.raises(SystemExit):
+        ehs.parse_args(["--train", "t", "--eval", "e", "--model", "m", "--shard-dir", "s", "--out", "o",
+                        "--staging-dir", str(tmp_path / "absent")])

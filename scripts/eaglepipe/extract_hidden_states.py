@@ -175,6 +175,13 @@ def reusable_row(path: Path, batch: list[Sample], digest: str, num_layers: int, 
             "sha256": sha256_file(path)}, meta.get("skipped", [])
 
 
+def all_finite(x: torch.Tensor) -> bool:
+    """Exact, and 20-40x faster than ``isfinite(x).all()`` on bf16: a NaN or inf makes the sum
+    non-finite, so a finite sum proves every element finite; only a non-finite sum (the rare
+    case, or an overflow of huge finite values) pays for the element-wise check."""
+    return bool(torch.isfinite(x.sum())) or bool(torch.isfinite(x).all())
+
+
 def pack_and_write(path: Path, split: str, b: int, batch: list[Sample], loaded, meta: dict,
                    storage: str, num_layers: int, hidden: int):
     """Check the backend's states against the batch, pack them into one shard; return (row, skipped)."""
@@ -189,7 +196,7 @@ def pack_and_write(path: Path, split: str, b: int, batch: list[Sample], loaded, 
         if tuple(hs.shape) != (len(s.input_ids), num_layers, hidden):
             raise SystemExit(f"{where}: hidden states of shape {tuple(hs.shape)}, expected "
                              f"({len(s.input_ids)} tokens, {num_layers} layers, {hidden})")
-        if not bool(torch.isfinite(hs).all()):
+        if not all_finite(hs):
             skipped.append({"split": split, "batch": b, "index": s.index, "id": s.id,
                             "reason": "non-finite hidden states"})
             continue
@@ -203,7 +210,7 @@ def pack_and_write(path: Path, split: str, b: int, batch: list[Sample], loaded, 
         offsets.append(offsets[-1] + len(s.input_ids))
     row = shards.write_shard(
         path,
-        hidden_states=torch.cat(states),
+        hidden_states=states,
         input_ids=torch.tensor([t for s in kept for t in s.input_ids]),
         loss_mask=torch.tensor([m for s in kept for m in s.loss_mask]),
         sample_index=torch.tensor([s.index for s in kept]),
@@ -231,6 +238,8 @@ def parse_args(argv=None):
     ap.add_argument("--max-model-len", type=int, default=8192, help="vllm backend only")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="vllm backend only")
     ap.add_argument("--enforce-eager", action="store_true", help="vllm backend only")
+    ap.add_argument("--staging-dir", default=None,
+                    help="vllm backend: directory for vLLM's per-request files (default: in --shard-dir)")
     ap.add_argument("--shard-dir", required=True)
     ap.add_argument("--replica", type=int, default=0)
     ap.add_argument("--replicas", type=int, default=1)
@@ -238,9 +247,23 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if args.replicas < 1 or not 0 <= args.replica < args.replicas:
         ap.error(f"--replica {args.replica} --replicas {args.replicas}: need 0 <= replica < replicas")
+    if args.staging_dir is not None and not Path(args.staging_dir).is_dir():
+        ap.error(f"--staging-dir {args.staging_dir}: no such directory")
     if args.batch_size < 1:
         ap.error(f"--batch-size {args.batch_size}: must be >= 1")
     return args
+
+
+def same_filesystem(a: Path, b: Path) -> bool:
+    return os.stat(a).st_dev == os.stat(b).st_dev
+
+
+def staging_dir(args, shard_dir: Path) -> Path:
+    """This replica's own subdirectory (it is emptied at start and removed at the end)."""
+    if args.staging_dir is None:
+        return shard_dir / f".staging-replica{args.replica}"
+    tag = hashlib.sha256(str(shard_dir.resolve()).encode()).hexdigest()[:8]
+    return Path(args.staging_dir) / f"eaglepipe-staging-{tag}-replica{args.replica}"
 
 
 def load_backend(args, layer_ids, num_hidden_layers, shard_dir: Path):
@@ -248,7 +271,7 @@ def load_backend(args, layer_ids, num_hidden_layers, shard_dir: Path):
         from .extract_vllm import VLLMExtractor
 
         return VLLMExtractor(
-            args.model, layer_ids, args.dtype, shard_dir / f".staging-replica{args.replica}",
+            args.model, layer_ids, args.dtype, staging_dir(args, shard_dir),
             tensor_parallel_size=args.tensor_parallel_size, max_model_len=args.max_model_len,
             gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
             revision=args.revision, trust_remote_code=args.trust_remote_code)
@@ -318,16 +341,23 @@ def main(argv=None) -> None:
         + f", {bpt} B with input_ids and loss_mask")
     log(f"projected size: {human(tokens_mine * bpt)} for this replica; {n_reused} shards reusable, "
         f"{len(todo)} to write ({tokens_todo} tokens, {human(tokens_todo * bpt)})")
-    need = tokens_todo * bpt
+    needs = {shard_dir: (tokens_todo * bpt, "the shards still to write")}
     if args.backend == "vllm":
         from .extract_vllm import WINDOW_TOKENS
 
-        need += 2 * WINDOW_TOKENS * L * H * dtype_bytes  # staged connector files of two windows
-    free = shutil.disk_usage(shard_dir).free
-    if todo and need * DISK_MARGIN + DISK_RESERVE > free:
-        raise SystemExit(f"not enough disk space in {shard_dir}: the shards still to write need "
-                         f"{human(need)} (plus 5% and 1 GiB margin), {human(free)} is free; free space, "
-                         f"move the shard directory or use extract.storage_dtype fp8")
+        staging = staging_dir(args, shard_dir).parent
+        staged = 2 * WINDOW_TOKENS * L * H * dtype_bytes  # connector files of two windows
+        if same_filesystem(staging, shard_dir):
+            needs[shard_dir] = (needs[shard_dir][0] + staged, "the shards still to write and vLLM's staging")
+        else:
+            needs[staging] = (staged, "vLLM's staging of two windows")
+        log(f"vLLM staging: {staging_dir(args, shard_dir)}")
+    for where, (need, what) in needs.items():
+        free = shutil.disk_usage(where).free if where.exists() else 0
+        if todo and need * DISK_MARGIN + DISK_RESERVE > free:
+            raise SystemExit(f"not enough disk space in {where}: {what} need {human(need)} (plus 5% and "
+                             f"1 GiB margin), {human(free)} is free; free space, move the shard or staging "
+                             f"directory or use extract.storage_dtype fp8")
 
     # ---- extract what is missing
     meta = {"layer_ids": layer_ids, "layer_convention": CONVENTION,
@@ -341,11 +371,11 @@ def main(argv=None) -> None:
         backend = load_backend(args, layer_ids, N, shard_dir)
         load_s = time.perf_counter() - t0
         log(f"{args.backend} backend loaded in {load_s:.1f}s")
-        # GPU: several writers pack and write while the GPU runs on, as many as WRITER_MEMORY allows
-        # (each holds ~3 copies of its batch: loaded, concatenated, checked); CPU: one, cores are scarce
+        # GPU: several writers check and write while the GPU runs on, as many as WRITER_MEMORY allows
+        # (each holds its batch as loaded, plus fp8 copies); CPU: one, cores are scarce
         batch_bytes = max(sum(len(s.input_ids) for s in batches[sp][b]) for sp, b in todo) * L * H * dtype_bytes
         writers = 1 if args.backend == "hf" and args.device == "cpu" else \
-            max(1, min(MAX_WRITERS, WRITER_MEMORY // (3 * batch_bytes)))
+            max(1, min(MAX_WRITERS, WRITER_MEMORY // (2 * batch_bytes)))
         work = (((split, b), [s.input_ids for s in batches[split][b]]) for split, b in todo)
         with ThreadPoolExecutor(writers) as pool, TokenProgress(tokens_todo, "extract") as bar:
             def submit(key, loader):

@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from .atomic import atomic_path, read_json_object, sha256_file, write_json
+from .safetensors_writer import save_pieces
 
 FORMAT_VERSION = 1
 STORAGE_DTYPES = ("model", "fp8")
@@ -70,7 +71,7 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> 
 
 def write_shard(
     path: str | os.PathLike,
-    hidden_states: torch.Tensor,
+    hidden_states: torch.Tensor | Sequence[torch.Tensor],
     input_ids: torch.Tensor,
     loss_mask: torch.Tensor,
     sample_index: torch.Tensor,
@@ -78,8 +79,15 @@ def write_shard(
     metadata: dict,
     storage_dtype: str = "model",
 ) -> dict:
-    """Write one shard atomically and return its manifest row."""
-    T = hidden_states.shape[0]
+    """Write one shard atomically and return its manifest row.
+
+    ``hidden_states`` is [T, L, H] or its pieces along T (one per sample, as the backends return
+    them): pieces are streamed into the file without being concatenated first.
+    """
+    pieces = [hidden_states] if isinstance(hidden_states, torch.Tensor) else list(hidden_states)
+    if not pieces:
+        raise ValueError(f"shard {path}: no hidden states")
+    T = sum(p.shape[0] for p in pieces)
     if not (input_ids.shape[0] == loss_mask.shape[0] == T == int(offsets[-1])):
         raise ValueError(
             f"shard {path}: hidden_states has {T} tokens, input_ids {input_ids.shape[0]}, "
@@ -87,32 +95,27 @@ def write_shard(
         )
     if offsets.numel() != sample_index.numel() + 1:
         raise ValueError(f"shard {path}: {sample_index.numel()} samples need {sample_index.numel() + 1} offsets")
-    tensors = {
-        "input_ids": input_ids.to(torch.int64).contiguous(),
-        "loss_mask": loss_mask.to(torch.uint8).contiguous(),
-        "sample_index": sample_index.to(torch.int64).contiguous(),
-        "offsets": offsets.to(torch.int64).contiguous(),
+    tensors: dict[str, list[torch.Tensor]] = {
+        "input_ids": [input_ids.to(torch.int64)],
+        "loss_mask": [loss_mask.to(torch.uint8)],
+        "sample_index": [sample_index.to(torch.int64)],
+        "offsets": [offsets.to(torch.int64)],
     }
     if storage_dtype == "model":
-        tensors["hidden_states"] = hidden_states.contiguous()
+        tensors["hidden_states"] = pieces
     elif storage_dtype == "fp8":
-        q, scale = quantize_fp8(hidden_states[:, :-1])
-        tensors["aux_fp8"] = q.contiguous()
-        tensors["aux_scale"] = scale.contiguous()
-        tensors["final"] = hidden_states[:, -1].contiguous()
+        quantized = [quantize_fp8(p[:, :-1]) for p in pieces]
+        tensors["aux_fp8"] = [q for q, _ in quantized]
+        tensors["aux_scale"] = [scale for _, scale in quantized]
+        tensors["final"] = [p[:, -1] for p in pieces]
     else:
         raise ValueError(f"storage dtype {storage_dtype!r}: allowed {STORAGE_DTYPES}")
     meta = dict(metadata, format_version=FORMAT_VERSION, storage_dtype=storage_dtype,
-                model_dtype=str(hidden_states.dtype).removeprefix("torch."))
+                model_dtype=str(pieces[0].dtype).removeprefix("torch."))
     with atomic_path(path) as tmp:
-        save_file(tensors, str(tmp), metadata={"eaglepipe": json.dumps(meta)})
-    return {
-        "file": Path(path).name,
-        "samples": int(sample_index.numel()),
-        "tokens": int(T),
-        "bytes": os.path.getsize(path),
-        "sha256": sha256_file(path),
-    }
+        size, sha256 = save_pieces(tmp, tensors, metadata={"eaglepipe": json.dumps(meta)})
+    return {"file": Path(path).name, "samples": int(sample_index.numel()), "tokens": int(T),
+            "bytes": size, "sha256": sha256}
 
 
 def read_shard(path: str | os.PathLike) -> Shard:
