@@ -1,0 +1,379 @@
+#!/usr/bin/env python3
+"""Side by side on one GPU: our trainer (eaglepipe.train_draft) vs speculators' own trainer
+(``speculators train``), same hidden states, same steps, same tokens per step, same draft.
+
+  python benchmarks/compare_trainers.py --manifest M --vocab V --model T --work DIR \\
+      --steps S --batch-tokens B --lr LR --warmup-steps W [--ttt-steps 3] [--k 3] --json OUT
+
+Stages (each skipped when its result file in --work exists, so a killed run resumes):
+ 1. ours: ``python -m eaglepipe.train_draft`` for S steps, rows of <= B tokens;
+ 2. convert: our train + eval shards -> speculators' offline format (a ``datasets`` dir with
+    input_ids / loss_mask / seq_len, train rows first, then eval rows, and
+    ``hidden_states/hs_<row>.safetensors`` = {token_ids [T], hidden_states [T, L, H]}), and our
+    vocab mapping -> d2t/t2d .npy;
+ 3. speculators: its Trainer (``speculators.train.cli.main``, what ``speculators train`` runs) with
+    the same draft (1 llama layer, full attention, aux ids from the manifest, d2t/t2d, norm flags,
+    kl_div, TTT), AdamW, cosine schedule with the same warm-up, total_seq_len = B, S steps;
+ 4. both final drafts through OUR offline estimator (``python -m eaglepipe.evaluate``) on the
+    manifest's eval split.
+Prints a table and writes --json. What differs between the trainers, by design of each:
+ - packing: ours packs shuffled samples greedily into rows of <= B real tokens, no padding;
+   speculators' multipack sampler fills rows of B better and pads them to B (tokens/step below are
+   real tokens, from each trainer's own counts);
+ - precision: ours keeps states and compute in fp32; speculators loads states in
+   --spec-hidden-states-dtype (bf16 by default, its recommended setting) under autocast;
+ - data loading: ours reads shards in the training process; speculators uses DataLoader workers
+   (--spec-workers) with prefetch;
+ - epochs: both cycle through the train split when S rows exceed it, each in its own order.
+ms/step is the median after --warmup-report steps: ours from its metrics.jsonl windows (wall time
+between logged steps, every step synchronised by its .item() calls), speculators' from its per-step
+profile (``step_ms``, every step synchronised at log_freq 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+
+from eaglepipe.atomic import read_json_object, write_json  # noqa: E402
+from eaglepipe.shards import load_manifest, read_shard, shard_paths  # noqa: E402
+
+SPEC_CHILD = "--speculators-child"  # internal: run speculators' trainer in this (child) process
+
+
+# ----------------------------------------------------------------------------- conversion
+def convert_to_speculators(manifest: dict, out: Path, vocab: Path | None = None) -> dict:
+    """Write the manifest's train then eval samples in speculators' offline format under ``out``.
+
+    Row i of the dataset is hidden_states/hs_<i>.safetensors (token_ids int64 [T], hidden_states
+    [T, L, H] as stored: the aux layers then the final layer). speculators takes the first
+    int(rows * train_data_ratio) rows for training and the rest for validation, so the returned
+    ratio puts the split exactly at our train/eval boundary.
+    """
+    from datasets import Dataset
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    hs_dir = out / "hidden_states"
+    hs_dir.mkdir(parents=True, exist_ok=True)
+    rows: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": []}
+    counts = {}
+    for split in ("train", "eval"):
+        paths = shard_paths(manifest, split)
+        n = 0
+        for path, _row in tqdm(paths, desc=f"convert {split}", unit="shard"):
+            shard = read_shard(path)
+            for b in range(shard.num_samples):
+                s = shard.sample(b)
+                ids = s["input_ids"].long()
+                save_file({"token_ids": ids, "hidden_states": s["hidden_states"].contiguous()},
+                          str(hs_dir / f"hs_{len(rows['seq_len'])}.safetensors"))
+                rows["input_ids"].append(ids.tolist())
+                rows["loss_mask"].append(s["loss_mask"].long().tolist())
+                rows["seq_len"].append(int(ids.numel()))
+                n += 1
+        counts[split] = n
+    if not counts["train"] or not counts["eval"]:
+        raise SystemExit(f"manifest {manifest.get('_path')}: need train and eval samples, got {counts}")
+    ds = Dataset.from_dict(rows)
+    ds.set_format(type="torch")  # as speculators' preprocessing leaves it
+    ds.save_to_disk(str(out))
+    total = counts["train"] + counts["eval"]
+    info = {"train_rows": counts["train"], "eval_rows": counts["eval"],
+            # midway between two boundaries, so float rounding cannot move the split
+            "train_data_ratio": (counts["train"] + 0.5) / total,
+            "train_lengths": rows["seq_len"][: counts["train"]]}
+    if vocab is not None:
+        import numpy as np
+
+        from eaglepipe.draft_model import load_vocab_mapping
+
+        d2t, t2d = load_vocab_mapping(vocab)
+        np.save(out / "d2t.npy", d2t.numpy())
+        np.save(out / "t2d.npy", t2d.numpy())
+        info["draft_vocab_size"] = int(d2t.numel())
+    return info
+
+
+def speculators_epochs(train_lengths: list[int], batch_tokens: int, steps: int, seed: int) -> tuple[int, list[int]]:
+    """Epochs that give speculators exactly ``steps`` steps: its loop runs whole epochs and stops
+    at max_steps inside one, but a further epoch would still take one step before stopping."""
+    from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
+
+    sampler = MultipackDistributedBatchSamplerV2(batch_max_length=batch_tokens, lengths=train_lengths,
+                                                 num_replicas=1, rank=0, seed=seed)
+    per_epoch, done = [], 0
+    while done < steps:
+        sampler.set_epoch(len(per_epoch))
+        per_epoch.append(len(sampler))  # >= 1: the sampler truncates samples longer than a row
+        done += per_epoch[-1]
+    return len(per_epoch), per_epoch
+
+
+def speculators_argv(args, manifest: dict, data: Path, conv: dict, epochs: int) -> list[str]:
+    """``speculators train`` flags for the draft our trainer builds (draft_model.NORM_FLAGS included)."""
+    from eaglepipe.draft_model import NORM_FLAGS, NUM_DRAFT_LAYERS
+
+    aux = [str(int(i)) for i in manifest["layer_ids"][:-1]]
+    work = Path(args.work) / "speculators"
+    argv = [
+        "--verifier-name-or-path", str(args.model), "--speculator-type", "eagle3",
+        "--data-path", str(data), "--hidden-states-backend", "file", "--on-missing", "raise",
+        "--num-layers", str(NUM_DRAFT_LAYERS), "--draft-arch", "llama",
+        "--full-attention-indices", *[str(i) for i in range(NUM_DRAFT_LAYERS)],
+        "--target-layer-ids", *aux,
+        "--d2t-path", str(data / "d2t.npy"), "--t2d-path", str(data / "t2d.npy"),
+        "--draft-vocab-size", str(conv["draft_vocab_size"]),
+        "--total-seq-len", str(args.batch_tokens), "--train-data-ratio", repr(conv["train_data_ratio"]),
+        "--hidden-states-dtype", args.spec_hidden_states_dtype,
+        "--num-workers", str(args.spec_workers), "--prefetch-factor", "4",
+        "--loss-fn", "kl_div", "--ttt-steps", str(args.ttt_steps), "--ttt-step-loss-decay", "1.0",
+        "--optimizer", "adamw", "--lr", repr(args.lr), "--weight-decay", "0.0",
+        "--scheduler-type", "cosine", "--scheduler-warmup-steps", str(args.warmup_steps),
+        "--epochs", str(epochs), "--max-steps", str(args.steps), "--checkpoint-freq", "1", "--log-freq", "1",
+        "--save-path", str(work / "checkpoints"), "--log-dir", str(work / "logs"), "--logger", "",
+        "--seed", str(args.seed), "--no-resume-from-checkpoint",
+    ]
+    for flag, value in NORM_FLAGS.items():
+        name = flag.replace("_", "-")
+        if value:
+            argv.append(f"--{name}")
+        elif name != "fc-norm":  # --fc-norm has no negative form: off unless given
+            argv.append(f"--no-{name}")
+    return argv
+
+
+def speculators_child(argv: list[str]) -> None:
+    """Run speculators' trainer here; its per-step metric dicts also go to $SPEC_METRICS (JSONL).
+
+    A root handler, because speculators' dictConfig replaces the handlers of its own loggers.
+    """
+    path = os.environ["SPEC_METRICS"]
+
+    class Jsonl(logging.Handler):
+        def emit(self, record):  # reopened per record: speculators' dictConfig closes handlers
+            if isinstance(record.msg, dict) and "global_step" in record.msg:
+                with open(path, "a") as f:
+                    f.write(json.dumps(record.msg, default=float) + "\n")
+
+    console = logging.StreamHandler(sys.stderr)
+    console.addFilter(lambda r: not isinstance(r.msg, dict))
+    console.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.setLevel(logging.INFO)
+    root.addHandler(console)
+    root.addHandler(Jsonl())
+    from speculators.train.cli import main
+    from speculators.train.config import TrainConfig
+
+    main(TrainConfig.resolve(argv))
+
+
+# ----------------------------------------------------------------------------- timing
+def median_after(values: list[tuple[int, float]], warmup: int) -> float | None:
+    kept = [v for step, v in values if step > warmup]
+    return round(statistics.median(kept), 3) if kept else None
+
+
+def ours_timing(metrics: Path, warmup: int) -> dict:
+    """Per-window ms/step from our metrics.jsonl: each train row holds the tokens/s of the window
+    since the previous row and the cumulative train tokens."""
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    train = [r for r in rows if r.get("split") == "train"]
+    ms, prev_step, prev_tokens = [], 0, 0
+    for r in train:
+        steps, tokens = r["step"] - prev_step, r["train_tokens"] - prev_tokens
+        if steps > 0 and r["tokens_per_s"] > 0:
+            ms.append((prev_step + 1, 1000.0 * tokens / r["tokens_per_s"] / steps))
+        prev_step, prev_tokens = r["step"], r["train_tokens"]
+    steps = train[-1]["step"] if train else 0
+    return {"steps": steps, "tokens_per_step": round(prev_tokens / steps, 1) if steps else None,
+            "ms_per_step": median_after(ms, warmup), "final_train_loss": train[-1]["loss"] if train else None}
+
+
+def speculators_timing(metrics: Path, warmup: int) -> dict:
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    train = [r for r in rows if "train" in r and r.get("profile")]
+    ms = [(r["global_step"] + 1, r["profile"]["step_ms"]) for r in train]
+    tokens = [r["profile"]["tokens_per_s"] * r["profile"]["step_ms"] / 1000.0 for r in train]
+    return {"steps": len(train), "tokens_per_step": round(sum(tokens) / len(tokens), 1) if tokens else None,
+            "ms_per_step": median_after(ms, warmup),
+            "final_train_loss": train[-1]["train"].get("loss") if train else None}
+
+
+# ----------------------------------------------------------------------------- stages
+def run_logged(cmd: list[str], log: Path, env: dict | None = None) -> float:
+    """Run ``cmd`` with output to ``log``; returns wall seconds; exits with the log's tail on failure."""
+    print(f"$ {' '.join(cmd)}  > {log}", flush=True)
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    wall = time.perf_counter() - t0
+    if rc != 0:
+        tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-40:])
+        raise SystemExit(f"{cmd[2] if len(cmd) > 2 else cmd[0]} failed (exit {rc}) after {wall:.0f} s; "
+                         f"last lines of {log}:\n{tail}")
+    return wall
+
+
+def stage(path: Path, fn) -> dict:
+    """The stage's saved result, or run it and save it."""
+    if path.is_file():
+        print(f"reusing {path}", flush=True)
+        return read_json_object(path, "stage result", SystemExit)
+    result = fn()
+    write_json(path, result)
+    return result
+
+
+def train_ours(args, work: Path) -> dict:
+    out = work / "ours"
+    if out.exists():  # a killed run: start over, or the timing would mix two processes
+        shutil.rmtree(out)
+    cmd = [sys.executable, "-m", "eaglepipe.train_draft", "--manifest", str(args.manifest), "--vocab", str(args.vocab),
+           "--model", str(args.model), "--out-dir", str(out), "--ttt-steps", str(args.ttt_steps),
+           "--ttt-step-loss-decay", "1.0", "--lr", repr(args.lr), "--weight-decay", "0.0",
+           "--warmup-steps", str(args.warmup_steps), "--max-steps", str(args.steps),
+           "--batch-tokens", str(args.batch_tokens), "--eval-every", str(args.steps),
+           "--checkpoint-every", str(args.steps), "--loss", "kl_div", "--seed", str(args.seed)]
+    wall = run_logged(cmd, work / "ours_train.log", {"PYTHONPATH": pythonpath()})
+    summary = read_json_object(out / "summary.json", "training summary", SystemExit)
+    return {"wall_s": round(wall, 1), "draft": str(out / summary["last"]),
+            **ours_timing(out / "metrics.jsonl", args.warmup_report)}
+
+
+def train_speculators(args, work: Path, manifest: dict) -> dict:
+    data = work / "speculators_data"
+    conv = stage(work / "convert.json", lambda: timed(lambda: convert_to_speculators(manifest, data, args.vocab)))
+    epochs, per_epoch = speculators_epochs(conv["train_lengths"], args.batch_tokens, args.steps, args.seed)
+    out = work / "speculators"
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    metrics = out / "metrics.jsonl"
+    argv = speculators_argv(args, manifest, data, conv, epochs)
+    (out / "argv.json").write_text(json.dumps(argv))
+    wall = run_logged([sys.executable, str(Path(__file__).resolve()), SPEC_CHILD, *argv], work / "speculators_train.log",
+                      {"PYTHONPATH": pythonpath(), "SPEC_METRICS": str(metrics)})
+    ckpts = sorted((p for p in (out / "checkpoints").iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
+    if not ckpts:
+        raise SystemExit(f"speculators wrote no checkpoint under {out / 'checkpoints'}")
+    return {"wall_s": round(wall, 1), "draft": str(ckpts[-1]), "epochs": epochs, "batches_per_epoch": per_epoch,
+            "convert_s": conv["seconds"], **speculators_timing(metrics, args.warmup_report)}
+
+
+def timed(fn) -> dict:
+    t0 = time.perf_counter()
+    result = fn()
+    return {**result, "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def evaluate(args, work: Path, name: str, draft: str) -> dict:
+    out = work / f"eval_{name}.json"
+    run_logged([sys.executable, "-m", "eaglepipe.evaluate", "--draft", draft, "--manifest", str(args.manifest),
+                "--split", "eval", "--model", str(args.model), "--k", str(args.k), "--out", str(out)],
+               work / f"eval_{name}.log", {"PYTHONPATH": pythonpath()})
+    return read_json_object(out, "offline evaluation", SystemExit)
+
+
+def pythonpath() -> str:
+    return os.pathsep.join([str(REPO / "scripts"), *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
+# ----------------------------------------------------------------------------- report
+def ratio(a, b):
+    return round(a / b, 3) if a is not None and b else None
+
+
+def report(results: dict) -> str:
+    head = f"{'trainer':<12} {'steps':>6} {'tok/step':>9} {'ms/step':>8} {'tok/s':>9} {'AL':>7}  per-position acceptance"
+    lines = [head, "-" * len(head)]
+    for name in ("ours", "speculators"):
+        r = results[name]
+        pos = ", ".join(f"{p:.3f}" if p is not None else "-" for p in r["per_position_acceptance"])
+        lines.append(f"{name:<12} {r['steps']:>6} {r['tokens_per_step'] or 0:>9.0f} {r['ms_per_step'] or 0:>8.1f} "
+                     f"{r['tokens_per_s'] or 0:>9.0f} {r['acceptance_length'] or 0:>7.3f}  [{pos}]")
+    q = results["ratio_ours_over_speculators"]
+    lines.append(f"ours / speculators: ms/step {q['ms_per_step']}, tokens/s {q['tokens_per_s']}, "
+                 f"offline AL {q['acceptance_length']}")
+    return "\n".join(lines)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--manifest", required=True, type=Path, help="hidden-state manifest.json (train + eval splits)")
+    p.add_argument("--vocab", required=True, type=Path, help="vocab_mapping.safetensors (d2t, t2d)")
+    p.add_argument("--model", required=True, type=Path, help="target model directory")
+    p.add_argument("--work", required=True, type=Path, help="working directory (both runs, converted data)")
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--batch-tokens", type=int, default=8192)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup-steps", type=int, default=50)
+    p.add_argument("--ttt-steps", type=int, default=3)
+    p.add_argument("--k", type=int, default=3, help="draft tokens per chain in the offline estimate")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--spec-workers", type=int, default=8, help="speculators' DataLoader workers")
+    p.add_argument("--spec-hidden-states-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--warmup-report", type=int, default=20, help="steps left out of the median ms/step")
+    p.add_argument("--json", required=True, type=Path)
+    args = p.parse_args(argv)
+    for name in ("steps", "batch_tokens", "ttt_steps", "k"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("compare_trainers: no CUDA device. speculators' Trainer moves the model to the "
+                         "accelerator and cannot run on CPU; run this on a GPU machine "
+                         "(benchmarks/gpu_compare_trainers.sh).")
+    try:
+        manifest = load_manifest(args.manifest)
+    except ValueError as e:
+        raise SystemExit(str(e)) from e
+    work = args.work
+    work.mkdir(parents=True, exist_ok=True)
+    results = {
+        "ours": stage(work / "ours.json", lambda: train_ours(args, work)),
+        "speculators": stage(work / "speculators.json", lambda: train_speculators(args, work, manifest)),
+    }
+    for name, r in results.items():
+        ev = stage(work / f"eval_{name}_summary.json", lambda r=r, name=name: evaluate(args, work, name, r["draft"]))
+        r.update(acceptance_length=ev["acceptance_length"], per_position_acceptance=ev["per_position_acceptance"],
+                 eval_anchors=ev["anchors"], eval_tokens=ev["tokens_evaluated"],
+                 tokens_per_s=round(1000.0 * r["tokens_per_step"] / r["ms_per_step"], 1)
+                 if r["tokens_per_step"] and r["ms_per_step"] else None)
+        if r["steps"] != args.steps:
+            print(f"warning: {name} ran {r['steps']} steps, asked {args.steps}", file=sys.stderr)
+    results["ratio_ours_over_speculators"] = {
+        k: ratio(results["ours"][k], results["speculators"][k]) for k in ("ms_per_step", "tokens_per_s", "acceptance_length")}
+    results["settings"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    results["settings"].update(layer_ids=manifest["layer_ids"], gpu=torch.cuda.get_device_name(0),
+                               torch=torch.__version__)
+    write_json(args.json, results)
+    print(report(results))
+    for name in ("ours", "speculators"):
+        print(f"FINAL_OFFLINE_AL {name} {results[name]['acceptance_length']} (k={args.k})")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == [SPEC_CHILD]:
+        speculators_child(sys.argv[2:])
+    else:
+        main()
