@@ -17,9 +17,9 @@ Stages (each skipped when its result file in --work exists, so a killed run resu
  4. both final drafts through OUR offline estimator (``python -m eaglepipe.evaluate``) on the
     manifest's eval split.
 Prints a table and writes --json. What differs between the trainers, by design of each:
- - packing: ours packs shuffled samples greedily into rows of <= B real tokens, no padding;
-   speculators' multipack sampler fills rows of B better and pads them to B (tokens/step below are
-   real tokens, from each trainer's own counts);
+ - packing: both pack shuffled samples greedily into rows of <= B real tokens (the same mean fill:
+   7,736 of 8,192 on the issue-5 data), each in its own order; speculators pads every row to B and
+   computes on the padding, ours does not (tokens/step below are real tokens, each trainer's count);
  - precision: ours keeps states and compute in fp32; speculators loads states in
    --spec-hidden-states-dtype (bf16 by default, its recommended setting) under autocast;
  - data loading: ours reads shards in the training process; speculators uses DataLoader workers

