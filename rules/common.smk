@@ -65,11 +65,6 @@ def revision_flag():
     return f"--revision {rev}" if rev else ""
 
 
-def staging_flag():
-    staging = config["extract"]["staging_dir"]
-    return f"--staging-dir {staging}" if staging else ""
-
-
 def extract_gpus():
     ex = config["extract"]
     if ex["backend"] == "vllm":

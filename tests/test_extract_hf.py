@@ -180,15 +180,32 @@ def test_vllm_staging_on_another_filesystem_is_checked_on_its_own(tmp_path, tiny
     ram = tmp_path / "ram"
     ram.mkdir()
     usage = namedtuple("usage", "total used free")
-    free = {ram: 1 << 30}  # the shard disk has room, the RAM disk lacks it for two windows
+    free = {ram: 1 << 30}  # the shard disk has room, the RAM disk lacks it for the staged files
     monkeypatch.setattr(ehs.shutil, "disk_usage", lambda p: usage(1 << 40, 0, free.get(p, 1 << 40)))
     monkeypatch.setattr(ehs, "same_filesystem", lambda a, b: False)
-    with pytest.raises(SystemExit, match=f"not enough disk space in {ram}: vLLM's staging of two windows"):
+    with pytest.raises(SystemExit, match=f"not enough disk space in {ram}: vLLM's staged files"):
         cli(tmp_path, tiny_llama, "--backend", "vllm", "--staging-dir", str(ram))
-    args = ehs.parse_args(["--train", "t", "--eval", "e", "--model", "m", "--shard-dir", "s", "--out", "o",
-                           "--staging-dir", str(ram), "--replica", "1", "--replicas", "2"])
-    sub = ehs.staging_dir(args, tmp_path / "s")
-    assert sub.parent == ram and sub.name.endswith("-replica1")  # never the user's directory itself
     with pytest.raises(SystemExit):
         ehs.parse_args(["--train", "t", "--eval", "e", "--model", "m", "--shard-dir", "s", "--out", "o",
                         "--staging-dir", str(tmp_path / "absent")])
+
+
+def test_vllm_staging_auto_takes_the_ram_disk_only_with_room(tmp_path, monkeypatch):
+    from collections import namedtuple
+
+    ram, shards_dir = tmp_path / "ram", tmp_path / "shards"
+    ram.mkdir()
+    monkeypatch.setattr(ehs, "RAM_DISK", ram)
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(ehs.shutil, "disk_usage", lambda p: usage(8 << 30, 0, 4 << 30))
+
+    def args(staging):
+        return ehs.parse_args(["--train", "t", "--eval", "e", "--model", "m", "--shard-dir", str(shards_dir),
+                               "--out", "o", "--replica", "1", "--replicas", "2", "--staging-dir", staging])
+
+    sub = ehs.staging_dir(args("auto"), shards_dir, 1 << 30)
+    assert sub.parent == ram and sub.name.endswith("-replica1")  # a subdirectory, never the RAM disk itself
+    assert ehs.staging_dir(args("auto"), shards_dir, 4 << 30) == shards_dir / ".staging-replica1"
+    assert ehs.staging_dir(args("shards"), shards_dir, 1) == shards_dir / ".staging-replica1"
+    mine = ehs.staging_dir(args(str(ram)), shards_dir, 1)
+    assert mine.parent == ram and mine != ram
