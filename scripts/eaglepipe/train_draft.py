@@ -74,6 +74,7 @@ def setup_distributed() -> tuple[int, int, torch.device]:
     if torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
+        torch.backends.cuda.matmul.allow_tf32 = True  # the fp32 rest (eval, head) on tensor cores
         device = torch.device("cuda", local)
     else:
         device = torch.device("cpu")
@@ -244,8 +245,11 @@ def train(args, stop_after: int | None = None) -> dict | None:
         while step < args.max_steps:
             position, batch = next(stream)
             b = {k: batch[k].to(device) for k in keys}
-            _, loss, m = ddp_model(**b, ttt_steps=args.ttt_steps, ttt_step_loss_decay=args.ttt_step_loss_decay,
-                                   loss_config=loss_config)
+            # GPUs: bf16 autocast over fp32 master weights, as speculators' Trainer does; CPU stays
+            # fp32 (bf16 matmuls are slower there, and resume is tested bit for bit)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                _, loss, m = ddp_model(**b, ttt_steps=args.ttt_steps,
+                                       ttt_step_loss_decay=args.ttt_step_loss_decay, loss_config=loss_config)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
