@@ -111,8 +111,8 @@ def test_ttt_alignment_oracle_reaches_accuracy_one(tiny_llama, tmp_path):
     head = load_target_head(tiny_llama)
     loss = resolve_loss_config("kl_div", "eager")
 
-    def run_eval(shift, batch_tokens=64):
-        rows = PackedRows(manifest, "eval", batch_tokens, shuffle=False).once()
+    def run_eval(shift, batch_tokens=64, pad_to=None):
+        rows = PackedRows(manifest, "eval", batch_tokens, shuffle=False, pad_to=pad_to).once()
         return summarize(evaluate_rows(Oracle(draft, t2d_index, shift), rows, head, 3, loss))
 
     right = run_eval(shift=1)  # step k at t predicts x_{t+k+2} = input_ids[t+k+1]
@@ -121,6 +121,7 @@ def test_ttt_alignment_oracle_reaches_accuracy_one(tiny_llama, tmp_path):
     assert right["chains_cut"] == 0  # greedy data: only response ends stop a chain
     assert 3.0 < right["acceptance_length"] <= 4.0
     assert run_eval(shift=1, batch_tokens=400) == right  # packing does not change the estimate
+    assert run_eval(shift=1, pad_to=128) == right  # nor do the pads that GPU rows get
     for wrong in (0, 2):
         off = run_eval(shift=wrong)
         assert max(off["accuracy_per_position"]) < 0.5, (wrong, off)

@@ -184,3 +184,21 @@ def test_unknown_split_is_a_clear_error(tmp_path):
     m = random_manifest(tmp_path, [[4, 4]])
     with pytest.raises(ValueError, match="no split 'eval'"):
         PackedRows(m, "eval", 8)
+
+
+def test_gpu_rows_have_one_padded_length(tmp_path, tiny_llama):
+    from eaglepipe.draft_model import row_length
+
+    assert row_length("cpu", 1000) is None
+    assert row_length("cuda", 1000) == 1024 and row_length("cuda", 8192) == 8192
+    run = make_run(tmp_path, tiny_llama)
+    manifest = load_manifest(run["manifest"])
+    rows = list(PackedRows(manifest, "train", 64, shuffle=False, pad_to=128).once())
+    plain = list(PackedRows(manifest, "train", 64, shuffle=False).once())
+    assert {r["input_ids"].shape[1] for r in rows} == {128} and len(rows) == len(plain)
+    for r, p in zip(rows, plain):
+        T = p["input_ids"].shape[1]
+        assert all(torch.equal(r[k][:, :T], p[k]) for k in p if k != "lengths")
+        assert (r["document_ids"][0, T:] == -1).all() and not r["loss_mask"][0, T:].any()
+    with pytest.raises(ValueError, match="pad_to 32"):
+        PackedRows(manifest, "train", 64, pad_to=32)

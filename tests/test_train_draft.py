@@ -42,7 +42,7 @@ def test_one_step_on_a_fixed_batch_learns(run):
     from speculators.losses import resolve_loss_config
 
     from eaglepipe.draft_model import build_draft
-    from eaglepipe.packed_data import PackedRows
+    from eaglepipe.packed_data import PackedRows, pad_row
     from eaglepipe.shards import load_manifest
 
     torch.manual_seed(0)
@@ -56,7 +56,14 @@ def test_one_step_on_a_fixed_batch_learns(run):
     assert "fc.weight" in trainable and "embed_tokens.weight" not in trainable and "lm_head.weight" not in trainable
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt = torch.optim.AdamW(params, lr=1e-2)
-    _, loss0, _ = model(**b, ttt_steps=3, loss_config=loss_config)
+    _, loss0, m0 = model(**b, ttt_steps=3, loss_config=loss_config)
+    # a row padded to flex attention's 128-token blocks (GPU rows) trains on the same loss
+    padded = pad_row(dict(b, lengths=batch["lengths"]), 128)
+    assert padded["input_ids"].shape[1] % 128 == 0 and (padded["document_ids"][0, b["input_ids"].shape[1]:] == -1).all()
+    with torch.no_grad():
+        _, loss_padded, m_padded = model(**{k: padded[k] for k in keys}, ttt_steps=3, loss_config=loss_config)
+    assert torch.allclose(loss_padded, loss0, rtol=1e-5, atol=1e-6)
+    assert all(torch.equal(m_padded[f"full_acc_{s}_total"], m0[f"full_acc_{s}_total"]) for s in range(3))
     loss0.backward()
     opt.step()
     with torch.no_grad():

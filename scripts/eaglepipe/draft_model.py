@@ -22,6 +22,15 @@ def attn_impl_for(device: torch.device | str) -> str:
     return "simple_flex_attention" if torch.device(device).type == "cuda" else "sdpa"
 
 
+def row_length(device: torch.device | str, batch_tokens: int) -> int | None:
+    """The padded length of every row, or None (any length). Flex attention (GPU) builds its block
+    mask for whole 128-token blocks, and its compiled forward wants one shape: rows are padded to
+    batch_tokens rounded up to 128, as speculators' collate pads to total_seq_len."""
+    if attn_impl_for(device) != "simple_flex_attention":
+        return None
+    return -(-batch_tokens // 128) * 128
+
+
 def _is_mla(cfg) -> bool:
     return getattr(cfg, "kv_lora_rank", None) is not None or getattr(cfg, "qk_rope_head_dim", None) is not None
 

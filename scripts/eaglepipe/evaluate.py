@@ -42,7 +42,7 @@ def main(argv=None) -> None:
     from speculators.losses import resolve_loss_config
 
     from .acceptance import eval_metrics, evaluate_rows
-    from .draft_model import load_draft, load_target_head
+    from .draft_model import load_draft, load_target_head, row_length
     from .train_draft import loss_implementation, set_threads
 
     set_threads()
@@ -57,7 +57,8 @@ def main(argv=None) -> None:
         raise SystemExit(f"draft {args.draft}: eagle_aux_hidden_state_layer_ids {model.target_layer_ids} differ "
                          f"from the manifest's aux ids {aux} ({args.manifest})")
     head = load_target_head(args.model).to(device)
-    rows = PackedRows(manifest, args.split, EVAL_BATCH_TOKENS, shuffle=False).once()
+    rows = PackedRows(manifest, args.split, EVAL_BATCH_TOKENS, shuffle=False,
+                      pad_to=row_length(device, EVAL_BATCH_TOKENS)).once()
     counts = evaluate_rows(model, rows, head, args.k, resolve_loss_config("kl_div", loss_implementation(device)),
                            device=device)
     result = eval_metrics(counts)

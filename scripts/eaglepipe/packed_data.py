@@ -31,7 +31,7 @@ Row = list[tuple[int, int, int]]  # (shard index, sample index in the shard, tok
 
 class PackedRows:
     def __init__(self, manifest: dict, split: str, batch_tokens: int, seed: int = 0, shuffle: bool = True,
-                 rank: int = 0, world_size: int = 1, dtype: torch.dtype = torch.float32):
+                 rank: int = 0, world_size: int = 1, dtype: torch.dtype = torch.float32, pad_to: int | None = None):
         if batch_tokens < 2:
             raise ValueError(f"batch_tokens {batch_tokens}: need at least 2 (one shifted token)")
         self.shards = shard_paths(manifest, split)
@@ -43,6 +43,9 @@ class PackedRows:
         self.seed, self.shuffle = seed, shuffle
         self.rank, self.world_size = rank, world_size
         self.dtype = dtype
+        if pad_to is not None and pad_to < batch_tokens:
+            raise ValueError(f"pad_to {pad_to}: rows hold up to batch_tokens={batch_tokens} tokens")
+        self.pad_to = pad_to
         self._offsets: dict[int, torch.Tensor] = {}
         self._cached: tuple[int, Shard] | None = None
         self.truncated: set[tuple[int, int]] = set()
@@ -158,5 +161,19 @@ class PackedRows:
                  for key in ("input_ids", "hidden_states", "verifier_last_hidden_states", "loss_mask", "position_ids")}
         batch["lengths"] = lengths
         batch["document_ids"] = torch.repeat_interleave(torch.arange(len(parts)), lengths).unsqueeze(0)
+        return batch if self.pad_to is None else pad_row(batch, self.pad_to)
+
+
+def pad_row(batch: dict, length: int) -> dict:
+    """Pad a row to ``length`` tokens. Pads are outside every document (id -1, as speculators' own
+    collate pads) and outside the loss mask, so no loss, metric or AL anchor sees them."""
+    T = batch["input_ids"].shape[1]
+    extra = length - T
+    if not extra:
         return batch
+    fill = {"document_ids": -1}
+    out = {k: torch.cat([v, v.new_full((1, extra, *v.shape[2:]), fill.get(k, 0))], dim=1)
+           for k, v in batch.items() if k != "lengths"}
+    out["lengths"] = batch["lengths"]
+    return out
 

@@ -156,7 +156,7 @@ def train(args, stop_after: int | None = None) -> dict | None:
     from speculators.losses import resolve_loss_config
 
     from .acceptance import eval_metrics, evaluate_rows
-    from .draft_model import build_draft, load_target_head
+    from .draft_model import build_draft, load_target_head, row_length
 
     threads = set_threads()
     rank, world, device = setup_distributed()
@@ -221,7 +221,8 @@ def train(args, stop_after: int | None = None) -> dict | None:
         ddp_model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
 
     def run_eval(at_step: int) -> dict:
-        rows = PackedRows(manifest, "eval", args.batch_tokens, shuffle=False, rank=rank, world_size=world).once()
+        rows = PackedRows(manifest, "eval", args.batch_tokens, shuffle=False, rank=rank, world_size=world,
+                          pad_to=row_length(device, args.batch_tokens)).once()
         counts = all_reduce(evaluate_rows(model, rows, head, args.ttt_steps, loss_config,
                                           args.ttt_step_loss_decay, device), world)
         ev = eval_metrics(counts)
@@ -236,7 +237,7 @@ def train(args, stop_after: int | None = None) -> dict | None:
         run_eval(0)
 
     stream = PackedRows(manifest, "train", args.batch_tokens, seed=args.seed, shuffle=True, rank=rank,
-                        world_size=world).batches(*position)
+                        world_size=world, pad_to=row_length(device, args.batch_tokens)).batches(*position)
     log_every = max(1, args.max_steps // 200)
     keys = ("hidden_states", "input_ids", "document_ids", "loss_mask", "position_ids", "verifier_last_hidden_states")
     window_tokens, window_start = 0, time.perf_counter()
@@ -256,7 +257,7 @@ def train(args, stop_after: int | None = None) -> dict | None:
             optimizer.step()
             scheduler.step()
             step += 1
-            tokens = torch.tensor([b["input_ids"].shape[1]], device=device)
+            tokens = batch["lengths"].sum().reshape(1).to(device)  # real tokens, not the pads
             stats = torch.stack([loss.detach().float()] + [m[f"full_acc_{s}_sum"].float() for s in range(args.ttt_steps)]
                                 + [m[f"full_acc_{s}_total"].float() for s in range(args.ttt_steps)])
             all_reduce({"t": tokens, "s": stats}, world)
