@@ -142,7 +142,7 @@ def speculators_argv(args, manifest: dict, data: Path, conv: dict, epochs: int) 
         "--total-seq-len", str(args.batch_tokens), "--train-data-ratio", repr(conv["train_data_ratio"]),
         "--hidden-states-dtype", args.spec_hidden_states_dtype,
         "--num-workers", str(args.spec_workers), "--prefetch-factor", "4",
-        "--loss-fn", "kl_div", "--ttt-steps", str(args.ttt_steps), "--ttt-step-loss-decay", "1.0",
+        "--loss-fn", "kl_div", "--loss-implementation", "eager", "--ttt-steps", str(args.ttt_steps), "--ttt-step-loss-decay", "1.0",
         "--optimizer", "adamw", "--lr", repr(args.lr), "--weight-decay", "0.0",
         "--scheduler-type", "cosine", "--scheduler-warmup-steps", str(args.warmup_steps),
         "--epochs", str(epochs), "--max-steps", str(args.steps), "--checkpoint-freq", "1", "--log-freq", "1",

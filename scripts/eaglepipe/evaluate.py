@@ -43,7 +43,7 @@ def main(argv=None) -> None:
 
     from .acceptance import eval_metrics, evaluate_rows
     from .draft_model import load_draft, load_target_head, row_length
-    from .train_draft import loss_implementation, set_threads
+    from .train_draft import LOSS_IMPLEMENTATION, set_threads
 
     set_threads()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -59,7 +59,7 @@ def main(argv=None) -> None:
     head = load_target_head(args.model).to(device)
     rows = PackedRows(manifest, args.split, EVAL_BATCH_TOKENS, shuffle=False,
                       pad_to=row_length(device, EVAL_BATCH_TOKENS)).once()
-    counts = evaluate_rows(model, rows, head, args.k, resolve_loss_config("kl_div", loss_implementation(device)),
+    counts = evaluate_rows(model, rows, head, args.k, resolve_loss_config("kl_div", LOSS_IMPLEMENTATION),
                            device=device)
     result = eval_metrics(counts)
     result.update(split=args.split, draft=str(Path(args.draft)), manifest=str(Path(args.manifest)),

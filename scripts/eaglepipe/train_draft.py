@@ -119,15 +119,10 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def loss_implementation(device: torch.device) -> str:
-    """speculators' fused losses need triton (CUDA); eager elsewhere."""
-    if device.type != "cuda":
-        return "eager"
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return "eager"
-    return "fused"
+# speculators' fused (triton) losses need CUDA, and on the H200 (torch 2.11) torch.compile's trace
+# of the training forward failed on them ("ListVariable ... already tracked" on the kernels'
+# autotune configs); the eager losses run everywhere and are compiled with the forward on GPUs.
+LOSS_IMPLEMENTATION = "eager"
 
 
 class MetricsLog:
@@ -188,7 +183,7 @@ def train(args, stop_after: int | None = None) -> dict | None:
     from transformers import get_cosine_schedule_with_warmup
 
     scheduler = get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, args.max_steps)
-    loss_config = resolve_loss_config(args.loss, loss_implementation(device))
+    loss_config = resolve_loss_config(args.loss, LOSS_IMPLEMENTATION)
     head = load_target_head(args.model).to(device)
 
     # resume: rank 0 decides (and clears checkpoints of other settings) before the others look
