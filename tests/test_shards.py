@@ -98,3 +98,16 @@ def test_manifest_round_trip_and_errors(tmp_path):
     (tmp_path / "broken.json").write_text("{")
     with pytest.raises(ValueError, match="cannot be read"):
         shards.load_manifest(tmp_path / "broken.json")
+
+
+def test_quantize_fp8_matches_the_float_absmax_reference():
+    x = torch.randn(64, 3, 96).to(torch.bfloat16)
+    x[0, 0] = 0  # an all-zero row keeps a tiny positive scale
+    x[1, 1] = -x[1, 1].abs() * 50  # a row whose absmax is a negative value
+    xf = x.float()
+    ref_scale = xf.abs().amax(dim=-1).clamp_min(1e-12) / shards.FP8_MAX
+    ref = (xf / ref_scale.unsqueeze(-1)).to(shards.FP8)
+    q, scale = shards.quantize_fp8(x)
+    assert torch.equal(scale, ref_scale) and torch.equal(q.view(torch.uint8), ref.view(torch.uint8))
+    back = shards.dequantize_fp8(q, scale, torch.float32)
+    assert (back - xf).abs().max() <= 0.0625 * xf.abs().amax()  # e4m3: 3 mantissa bits
