@@ -260,17 +260,24 @@ def same_filesystem(a: Path, b: Path) -> bool:
     return os.stat(a).st_dev == os.stat(b).st_dev
 
 
+def has_room(where: Path, need: int) -> bool:
+    """Room for ``need`` bytes in ``where`` with a 5 % and 1 GiB margin."""
+    return need * DISK_MARGIN + DISK_RESERVE <= shutil.disk_usage(where).free
+
+
 def staging_dir(args, shard_dir: Path, staged_bytes: int) -> Path:
     """This replica's own subdirectory for vLLM's per-request files (emptied at start, removed at the end).
 
     On the shard disk these transient files compete with the shards for its bandwidth: on the
     H200 the default 'auto' (RAM disk) took extraction from 48k to 80k tok/s, the disk's bound.
     """
-    root = Path(args.staging_dir)
     if args.staging_dir == "auto":
-        room = RAM_DISK.is_dir() and shutil.disk_usage(RAM_DISK).free > staged_bytes * DISK_MARGIN + DISK_RESERVE
-        root = RAM_DISK if room else shard_dir
-    if args.staging_dir == "shards" or root == shard_dir:
+        root = RAM_DISK if RAM_DISK.is_dir() and has_room(RAM_DISK, staged_bytes) else shard_dir
+    elif args.staging_dir == "shards":
+        root = shard_dir
+    else:
+        root = Path(args.staging_dir)
+    if root == shard_dir:
         return shard_dir / f".staging-replica{args.replica}"
     tag = hashlib.sha256(str(shard_dir.resolve()).encode()).hexdigest()[:8]
     return root / f"eaglepipe-staging-{tag}-replica{args.replica}"
@@ -371,11 +378,10 @@ def main(argv=None) -> None:
             needs[staging.parent] = (staged, "vLLM's staged files")
         log(f"vLLM staging: {staging} (up to {human(staged)})")
     for where, (need, what) in needs.items():
-        free = shutil.disk_usage(where).free if where.exists() else 0
-        if todo and need * DISK_MARGIN + DISK_RESERVE > free:
+        if todo and not has_room(where, need):
             raise SystemExit(f"not enough disk space in {where}: {what} need {human(need)} (plus 5% and "
-                             f"1 GiB margin), {human(free)} is free; free space, move the shard or staging "
-                             f"directory or use extract.storage_dtype fp8")
+                             f"1 GiB margin), {human(shutil.disk_usage(where).free)} is free; free space, move "
+                             f"the shard or staging directory or use extract.storage_dtype fp8")
 
     # ---- extract what is missing
     meta = {"layer_ids": layer_ids, "layer_convention": CONVENTION,
