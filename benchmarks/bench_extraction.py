@@ -2,17 +2,21 @@
 """Extraction throughput on one GPU: our CLI (vLLM backend, shards written) against plain vLLM
 prefill and against our hf backend, same model and same tokens, in one run.
 
-  python3 benchmarks/bench_extraction.py [--arch llama1b --n 512 --len 1024 --json FILE]
+  python3 benchmarks/bench_extraction.py [--arch llama1b --n 1024 --len 1024 --batch-size 16 --json FILE]
 
 Run on the H200 from the repository root after vLLM was staged (PYTHONPATH=/tmp/site). Rows:
   plain vllm   LLM.generate(max_tokens=1) without capture, the first call after start (cold, as
                ours) and a second one (warm)
   ours vllm    python -m eaglepipe.extract_hidden_states --backend vllm: tokens / seconds from the
                first generate() to the last shard written (fsynced, checksummed); no model load.
-               Shards on the disk (staging beside them, the default, or on the RAM disk with
-               --staging-dir), and shards on the RAM disk (the pipeline's own bound, disk removed)
+               Shards on the disk (staging 'auto', the default: RAM disk), also with fp8 storage,
+               and shards on the RAM disk (the pipeline's own bound, disk removed)
   ours hf      the same CLI with --backend hf --device cuda, shards on disk and on the RAM disk
-plus the disk's write+fsync speed, which bounds any extraction that keeps its shards on it.
+plus the disk's write+fsync speed, which bounds any extraction that keeps its shards on it, and
+each run's time split (backend / waiting for writers / writers' tail, from its manifest).
+Batches of 16 samples: the writers work one shard each, so the tail after the last generate() is
+one shard's write, not the 1 GB of a 64-sample shard (a long run hides that tail; a benchmark of
+a million tokens does not).
 Targets: ours vllm >= 0.8x plain and >= 3x ours hf. The RAM disk (default /dev/shm) is used only
 where it has room; JSON is rewritten after every row. ~6 minutes for the defaults.
 """
@@ -111,9 +115,9 @@ def ours(args, backend: str, log: Path, shard_root: Path, staging: Path | None =
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", default="llama1b", choices=["llama", "llama1b", "dsv3"])
-    ap.add_argument("--n", type=int, default=512, help="train samples (plus 8 eval)")
+    ap.add_argument("--n", type=int, default=1024, help="train samples (plus 8 eval)")
     ap.add_argument("--len", type=int, default=1024, help="tokens per sample")
-    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--layer-ids", default="2,8,13,16", help="llama1b: N=16")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--gpu-util", type=float, default=0.8)
@@ -157,6 +161,7 @@ def main() -> None:
     disk = work / "out"
     row("ours vllm, disk", lambda: ours(args, "vllm", log, disk))
     row("ours hf, disk", lambda: ours(args, "hf", log, disk))
+    row("ours vllm, disk, fp8", lambda: ours(args, "vllm", log, disk, storage="fp8"))
     shutil.rmtree(disk, ignore_errors=True)  # tens of GB
     ram = Path(args.ram) / "eaglepipe-bench"
     ram_free = shutil.disk_usage(args.ram).free if Path(args.ram).is_dir() else 0
@@ -165,12 +170,8 @@ def main() -> None:
         res["ram_note"] = f"{args.ram} has {ram_free / 2**30:.1f} GiB free, the RAM rows need {need / 2**30:.1f}"
         print(res["ram_note"] + ": RAM rows skipped", flush=True)
     else:
-        ram.mkdir(exist_ok=True)
-        row("ours vllm, disk, staging in RAM", lambda: ours(args, "vllm", log, disk, staging=ram))
-        row("ours vllm, disk, fp8, staging in RAM", lambda: ours(args, "vllm", log, disk, staging=ram, storage="fp8"))
-        shutil.rmtree(disk, ignore_errors=True)
         row("ours vllm, RAM", lambda: ours(args, "vllm", log, ram / "vllm"))
-        shutil.rmtree(ram / "vllm", ignore_errors=True)
+        shutil.rmtree(ram, ignore_errors=True)
         row("ours hf, RAM", lambda: ours(args, "hf", log, ram / "hf"))
         shutil.rmtree(ram, ignore_errors=True)
 
@@ -199,6 +200,11 @@ def main() -> None:
     print(f"\n{'':<38} {'tok/s':>10}  note")
     for name, tps, note in table:
         print(f"{name:<38} {tps:>10,.0f}  {note}")
+    print(f"\n{'time split (s)':<38} {'run':>6} {'backend':>8} {'wait':>6} {'tail':>6}  writers")
+    for name, r in rows.items():
+        if "backend_s" in r:
+            print(f"{name:<38} {r['seconds']:>6.1f} {r['backend_s']:>8.1f} {r['writers_wait_s']:>6.1f} "
+                  f"{r['tail_s']:>6.1f}  {r['writers']}")
     print("BENCH " + json.dumps(res), flush=True)
 
 

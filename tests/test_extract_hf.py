@@ -78,7 +78,11 @@ def test_cli_writes_shards_with_bf16_states_and_metadata(tmp_path, tiny_dsv3):
     assert s.metadata["tokenizer_digest"] and s.metadata["layer_convention"].startswith("vllm")
     first = json.loads((tmp_path / "train.jsonl").read_text().splitlines()[0])
     assert s.sample(0)["input_ids"].tolist() == first["input_ids"]
-    assert m["throughput"]["tokens"] == m["splits"]["train"]["tokens"] + m["splits"]["eval"]["tokens"]
+    tp = m["throughput"]
+    assert tp["tokens"] == m["splits"]["train"]["tokens"] + m["splits"]["eval"]["tokens"]
+    # the time split: the hf forward runs in the backend's share, which cannot be zero
+    assert tp["backend_s"] > 0 and tp["writers_wait_s"] >= 0 and tp["tail_s"] >= 0
+    assert tp["backend_s"] + tp["writers_wait_s"] + tp["tail_s"] <= tp["seconds"]
 
 
 @pytest.mark.parametrize("ids, message", [

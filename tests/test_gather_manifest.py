@@ -42,8 +42,8 @@ def test_gather_equals_single_run(run, tmp_path):
         assert [r["batch"] for r in m["splits"][split]["shards"]] == list(range(single["replica"]["batches"][split]))
         for key in ("samples", "tokens"):
             assert m["splits"][split][key] == single["splits"][split][key]
-        assert [r["sha256"] for r in m["splits"][split]["shards"]] == \
-               [r["sha256"] for r in single["splits"][split]["shards"]]
+        assert [r["xxh3_128"] for r in m["splits"][split]["shards"]] == \
+               [r["xxh3_128"] for r in single["splits"][split]["shards"]]
     assert m["splits"]["train"]["samples"] == 9 and m["replica"]["count"] == 2
     assert m["throughput"]["tokens"] == sum(json.loads(open(p).read())["throughput"]["tokens"] for p in parts(run))
     loaded = load_manifest(tmp_path / "hs" / "manifest.json")

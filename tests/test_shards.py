@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+import xxhash
 
 from eaglepipe import shards
 from eaglepipe.extract_hidden_states import bytes_per_token
@@ -34,6 +35,8 @@ def test_round_trip_model_dtype(tmp_path):
     one = s.sample(1)
     assert one["index"] == 11 and torch.equal(one["hidden_states"], b["hidden_states"][5:8])
     assert shards.shard_is_valid(tmp_path / "s.safetensors", row)
+    # the checksum hashed while writing is the XXH3-128 of the file as stored
+    assert row["xxh3_128"] == xxhash.xxh3_128((tmp_path / "s.safetensors").read_bytes()).hexdigest()
     assert not list(tmp_path.glob(".tmp-*"))
 
 
@@ -86,7 +89,7 @@ def test_manifest_round_trip_and_errors(tmp_path):
     shards.write_manifest(tmp_path / "manifest.json", m)
     loaded = shards.load_manifest(tmp_path / "manifest.json")
     [(path, r)] = shards.shard_paths(loaded, "train")
-    assert path == tmp_path / "shards" / "train-000000.safetensors" and r["sha256"] == row["sha256"]
+    assert path == tmp_path / "shards" / "train-000000.safetensors" and r["xxh3_128"] == row["xxh3_128"]
     with pytest.raises(ValueError, match="no split 'eval'"):
         shards.shard_paths(loaded, "eval")
     (tmp_path / "bad.json").write_text(json.dumps({k: v for k, v in m.items() if k != "splits"}))

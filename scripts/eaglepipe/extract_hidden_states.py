@@ -29,7 +29,8 @@ import torch
 from safetensors import safe_open
 
 from . import shards
-from .atomic import remove_stale_temporaries, sha256_file
+from .atomic import remove_stale_temporaries
+from .checksum import CHECKSUM, file_checksum
 from .layers import CONVENTION, resolve_layer_ids
 from .progress import TokenProgress
 
@@ -173,7 +174,7 @@ def reusable_row(path: Path, batch: list[Sample], digest: str, num_layers: int, 
     except Exception:  # unreadable in any way: rewrite it
         return None
     return {"file": path.name, "samples": len(kept), "tokens": T, "bytes": path.stat().st_size,
-            "sha256": sha256_file(path)}, meta.get("skipped", [])
+            CHECKSUM: file_checksum(path)}, meta.get("skipped", [])
 
 
 def all_finite(x: torch.Tensor) -> bool:
@@ -413,19 +414,35 @@ def main(argv=None) -> None:
                     rows[split].append(dict(row, batch=b))
                 bar.update(sum(len(s.input_ids) for s in batches[split][b]), shards=sum(map(len, rows.values())))
 
+            # where the time goes: in the backend (the GPU's share) or blocked on the writers
+            # (checks, checksums, disk); the tail after the last batch is the writers' alone
+            busy = {"backend_s": 0.0, "writers_wait_s": 0.0}
+
+            def timed(key: str, fn, *a):
+                t = time.perf_counter()
+                try:
+                    return fn(*a)
+                finally:
+                    busy[key] += time.perf_counter() - t
+
             pending: deque = deque()
+            items = backend.batches(work)
             try:
-                for key, loader in backend.batches(work):
-                    pending.append(submit(key, loader))
+                while (item := timed("backend_s", next, items, None)) is not None:
+                    pending.append(submit(*item))
                     while pending and (len(pending) > 2 * writers or pending[0].done()):
-                        finish(pending.popleft())
+                        timed("writers_wait_s", finish, pending.popleft())
+                t_tail = time.perf_counter()
                 while pending:
                     finish(pending.popleft())
+                busy["tail_s"] = time.perf_counter() - t_tail
             except BaseException:
                 pool.shutdown(cancel_futures=True)
                 raise
-            progress = bar.summary()
+            progress = dict(bar.summary(), writers=writers, **{k: round(v, 3) for k, v in busy.items()})
         backend.close()
+        log(f"time: {progress['seconds']:.1f}s = backend {busy['backend_s']:.1f}s + waiting for the "
+            f"{writers} writers {busy['writers_wait_s']:.1f}s + their tail {busy['tail_s']:.1f}s (+ overheads)")
     log(f"reused {n_reused} shards, wrote {len(todo) - sum(map(len, empty.values()))}")
     if skipped:
         log(f"skipped {len(skipped)} samples with non-finite hidden states: "

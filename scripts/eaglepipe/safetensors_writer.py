@@ -12,13 +12,14 @@ back with safetensors itself.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import struct
 from collections.abc import Sequence
 
 import torch
+
+from .checksum import hasher
 
 DTYPE_NAMES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -51,7 +52,7 @@ def header_entry(name: str, pieces: Sequence[torch.Tensor], offset: int) -> dict
 
 def save_pieces(path: str | os.PathLike, tensors: dict[str, Sequence[torch.Tensor]],
                 metadata: dict[str, str] | None = None) -> tuple[int, str]:
-    """Write ``{name: pieces}`` (each concatenated along dim 0) to ``path``; return (size, sha256)."""
+    """Write ``{name: pieces}`` (each concatenated along dim 0) to ``path``; return (size, checksum)."""
     header: dict = {}
     offset = 0
     for name, pieces in tensors.items():
@@ -61,14 +62,14 @@ def save_pieces(path: str | os.PathLike, tensors: dict[str, Sequence[torch.Tenso
         header["__metadata__"] = metadata
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
-    sha = hashlib.sha256()
+    h = hasher()
     size = 0
     with open(path, "wb", buffering=0) as f:
         def put(buf: memoryview) -> None:
             nonlocal size
             for start in range(0, len(buf), CHUNK):
                 chunk = buf[start:start + CHUNK]
-                sha.update(chunk)  # releases the GIL: writer threads hash in parallel
+                h.update(chunk)  # releases the GIL: writer threads hash in parallel
                 while chunk:
                     chunk = chunk[f.write(chunk):]
             size += len(buf)
@@ -77,4 +78,4 @@ def save_pieces(path: str | os.PathLike, tensors: dict[str, Sequence[torch.Tenso
         for pieces in tensors.values():
             for p in pieces:
                 put(_as_bytes(p))
-    return size, sha.hexdigest()
+    return size, h.hexdigest()

@@ -11,6 +11,7 @@ returns the same [T, L, H] view either way.
 The header metadata key ``eaglepipe`` holds JSON: format version, layer ids and convention,
 target model id/revision, dtype, tokenizer digest.
 
+The manifest's row of a shard: file, samples, tokens, bytes and its checksum (``checksum.py``).
 Training reads the manifest, never scans the shard directory.
 """
 
@@ -25,7 +26,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .atomic import atomic_path, read_json_object, sha256_file, write_json
+from .atomic import atomic_path, read_json_object, write_json
+from .checksum import CHECKSUM, file_checksum
 from .safetensors_writer import save_pieces
 
 FORMAT_VERSION = 1
@@ -116,9 +118,9 @@ def write_shard(
     meta = dict(metadata, format_version=FORMAT_VERSION, storage_dtype=storage_dtype,
                 model_dtype=str(pieces[0].dtype).removeprefix("torch."))
     with atomic_path(path) as tmp:
-        size, sha256 = save_pieces(tmp, tensors, metadata={"eaglepipe": json.dumps(meta)})
+        size, checksum = save_pieces(tmp, tensors, metadata={"eaglepipe": json.dumps(meta)})
     return {"file": Path(path).name, "samples": int(sample_index.numel()), "tokens": int(T),
-            "bytes": size, "sha256": sha256}
+            "bytes": size, CHECKSUM: checksum}
 
 
 def read_shard(path: str | os.PathLike) -> Shard:
@@ -151,7 +153,7 @@ def shard_is_valid(path: str | os.PathLike, row: dict | None = None) -> bool:
     if not path.is_file():
         return False
     if row is not None:
-        if row.get("bytes") != path.stat().st_size or row.get("sha256") != sha256_file(path):
+        if row.get("bytes") != path.stat().st_size or row.get(CHECKSUM) != file_checksum(path):
             return False
     try:
         with safe_open(str(path), framework="pt") as f:
