@@ -19,6 +19,7 @@ import os
 import random
 import sys
 import time
+from contextlib import closing
 from pathlib import Path
 
 import torch
@@ -27,6 +28,7 @@ from . import checkpoints
 from .atomic import sha256_file, write_json
 from .layers import validate_layer_ids
 from .packed_data import PackedRows
+from .prefetch import prefetch
 from .progress import TokenProgress
 from .shards import load_manifest
 
@@ -231,13 +233,14 @@ def train(args, stop_after: int | None = None) -> dict | None:
     if not resume:
         run_eval(0)
 
-    stream = PackedRows(manifest, "train", args.batch_tokens, seed=args.seed, shuffle=True, rank=rank,
-                        world_size=world, pad_to=row_length(device, args.batch_tokens)).batches(*position)
+    # the next rows are packed by a thread while this step runs (on a GPU that was idle time)
+    stream = prefetch(PackedRows(manifest, "train", args.batch_tokens, seed=args.seed, shuffle=True, rank=rank,
+                                 world_size=world, pad_to=row_length(device, args.batch_tokens)).batches(*position))
     log_every = max(1, args.max_steps // 200)
     keys = ("hidden_states", "input_ids", "document_ids", "loss_mask", "position_ids", "verifier_last_hidden_states")
     window_tokens, window_start = 0, time.perf_counter()
     model.train()
-    with TokenProgress(args.max_steps - step, "train", unit="step") as bar:
+    with TokenProgress(args.max_steps - step, "train", unit="step") as bar, closing(stream):
         while step < args.max_steps:
             position, batch = next(stream)
             b = {k: batch[k].to(device) for k in keys}
