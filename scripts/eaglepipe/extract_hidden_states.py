@@ -441,8 +441,8 @@ def main(argv=None) -> None:
                 raise
             progress = dict(bar.summary(), writers=writers, **{k: round(v, 3) for k, v in busy.items()})
         backend.close()
-        log(f"time: {progress['seconds']:.1f}s = backend {busy['backend_s']:.1f}s + waiting for the "
-            f"{writers} writers {busy['writers_wait_s']:.1f}s + their tail {busy['tail_s']:.1f}s (+ overheads)")
+        log(f"time: {progress['seconds']:.1f}s = backend {busy['backend_s']:.1f}s + waiting for the writers "
+            f"({writers}) {busy['writers_wait_s']:.1f}s + their tail {busy['tail_s']:.1f}s (+ overheads)")
     log(f"reused {n_reused} shards, wrote {len(todo) - sum(map(len, empty.values()))}")
     if skipped:
         log(f"skipped {len(skipped)} samples with non-finite hidden states: "
