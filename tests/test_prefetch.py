@@ -1,4 +1,4 @@
-"""prefetch: same items in the same order, errors surface at their item, the thread stops on close."""
+"""prefetch: the same items in the same order, errors surface at their item, the thread stops on close."""
 
 import threading
 import time
@@ -8,8 +8,8 @@ import pytest
 from eaglepipe.prefetch import prefetch
 
 
-def test_same_items_in_order_and_prepared():
-    assert list(prefetch(iter(range(50)), depth=3, prepare=lambda x: x * 2)) == [2 * x for x in range(50)]
+def test_same_items_in_order():
+    assert list(prefetch(iter(range(50)), depth=3)) == list(range(50))
     assert list(prefetch(iter([]))) == []
 
 

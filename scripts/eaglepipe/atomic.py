@@ -95,12 +95,9 @@ def read_json_object(path: str | os.PathLike, what: str, error: type[Exception] 
     return obj
 
 
-def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
+def sha256_file(path: str | os.PathLike) -> str:
     with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def remove_stale_temporaries(directory: str | os.PathLike) -> int:

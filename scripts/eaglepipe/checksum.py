@@ -9,6 +9,7 @@ guards against truncated or corrupted files, not against tampering, so a non-cry
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 import xxhash
@@ -20,9 +21,6 @@ def hasher():
     return xxhash.xxh3_128()
 
 
-def file_checksum(path: str | os.PathLike, chunk: int = 16 << 20) -> str:
-    h = hasher()
+def file_checksum(path: str | os.PathLike) -> str:
     with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, hasher).hexdigest()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -22,8 +22,8 @@ class _Failed:
         self.error = error
 
 
-def prefetch(items: Iterator[T], depth: int = 2, prepare: Callable[[T], T] | None = None) -> Iterator[T]:
-    """Yield ``prepare(x)`` for each x of ``items``, up to ``depth`` made ahead by a thread.
+def prefetch(items: Iterator[T], depth: int = 2) -> Iterator[T]:
+    """Yield the items of ``items``, up to ``depth`` of them made ahead by a thread.
 
     An exception in the thread is raised in the caller at the item where it happened. Closing the
     returned generator stops the thread and waits for it (its current item at most): a daemon
@@ -44,7 +44,7 @@ def prefetch(items: Iterator[T], depth: int = 2, prepare: Callable[[T], T] | Non
     def produce() -> None:
         try:
             for x in items:
-                if not put(prepare(x) if prepare else x):
+                if not put(x):
                     return
             put(_END)
         except BaseException as e:  # handed to the consumer, raised there
