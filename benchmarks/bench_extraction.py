@@ -3,6 +3,7 @@
 prefill and against our hf backend, same model and same tokens, in one run.
 
   python3 benchmarks/bench_extraction.py [--arch llama1b --n 1024 --len 1024 --batch-size 16 --json FILE]
+                                         [--rows plain,vllm-disk,hf-disk,fp8-disk,vllm-ram,hf-ram]
 
 Run on the H200 from the repository root after vLLM was staged (PYTHONPATH=/tmp/site). Rows:
   plain vllm   LLM.generate(max_tokens=1) without capture, the first call after start (cold, as
@@ -18,7 +19,8 @@ Batches of 16 samples: the writers work one shard each, so the tail after the la
 one shard's write, not the 1 GB of a 64-sample shard (a long run hides that tail; a benchmark of
 a million tokens does not).
 Targets: ours vllm >= 0.8x plain and >= 3x ours hf. The RAM disk (default /dev/shm) is used only
-where it has room; JSON is rewritten after every row. ~6 minutes for the defaults.
+where it has room; JSON is rewritten after every row. ~6 minutes for the defaults; --rows picks
+a subset (a run that must fit a time limit), the ratios use the rows that ran.
 """
 
 import argparse
@@ -126,6 +128,8 @@ def main() -> None:
     ap.add_argument("--ram", default="/dev/shm", help="RAM disk for the rows without the disk")
     ap.add_argument("--log", default=None, help="log of every command (default WORK/bench.log)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--rows", type=lambda t: t.split(","), default=["plain", "vllm-disk", "hf-disk", "fp8-disk",
+                                                                     "vllm-ram", "hf-ram"])
     ap.add_argument("--plain", action="store_true", help=argparse.SUPPRESS)  # the child process
     args = ap.parse_args()
     if args.plain:
@@ -154,48 +158,61 @@ def main() -> None:
         print(name, res["rows"][name], flush=True)
         save()
 
-    row("plain vllm", lambda: json.loads([x for x in run(
-        [sys.executable, __file__, "--plain", "--work", str(work), "--max-model-len", str(args.max_model_len),
-         "--gpu-util", str(args.gpu_util), *(["--compiled"] if args.compiled else [])], log, 300)[1].splitlines()
-        if x.startswith("PLAIN ")][-1][6:]))
     disk = work / "out"
-    row("ours vllm, disk", lambda: ours(args, "vllm", log, disk))
-    row("ours hf, disk", lambda: ours(args, "hf", log, disk))
-    row("ours vllm, disk, fp8", lambda: ours(args, "vllm", log, disk, storage="fp8"))
-    shutil.rmtree(disk, ignore_errors=True)  # tens of GB
     ram = Path(args.ram) / "eaglepipe-bench"
+    runs = {
+        "plain": ("plain vllm", lambda: json.loads([x for x in run(
+            [sys.executable, __file__, "--plain", "--work", str(work), "--max-model-len", str(args.max_model_len),
+             "--gpu-util", str(args.gpu_util), *(["--compiled"] if args.compiled else [])], log, 300)[1].splitlines()
+            if x.startswith("PLAIN ")][-1][6:])),
+        "vllm-disk": ("ours vllm, disk", lambda: ours(args, "vllm", log, disk)),
+        "hf-disk": ("ours hf, disk", lambda: ours(args, "hf", log, disk)),
+        "fp8-disk": ("ours vllm, disk, fp8", lambda: ours(args, "vllm", log, disk, storage="fp8")),
+        "vllm-ram": ("ours vllm, RAM", lambda: ours(args, "vllm", log, ram / "vllm")),
+        "hf-ram": ("ours hf, RAM", lambda: ours(args, "hf", log, ram / "hf")),
+    }
+    unknown = set(args.rows) - set(runs)
+    if unknown:
+        ap.error(f"--rows: unknown {sorted(unknown)}; known {list(runs)}")
+    hidden = json.loads((work / "model" / "config.json").read_text())["hidden_size"]
+    need = 1.2 * args.n * args.len * len(args.layer_ids.split(",")) * hidden * 2  # bf16 shards + staging
     ram_free = shutil.disk_usage(args.ram).free if Path(args.ram).is_dir() else 0
-    need = 1.2 * res["rows"]["ours vllm, disk"]["bytes"]
-    if ram_free < need:
-        res["ram_note"] = f"{args.ram} has {ram_free / 2**30:.1f} GiB free, the RAM rows need {need / 2**30:.1f}"
-        print(res["ram_note"] + ": RAM rows skipped", flush=True)
-    else:
-        row("ours vllm, RAM", lambda: ours(args, "vllm", log, ram / "vllm"))
-        shutil.rmtree(ram, ignore_errors=True)
-        row("ours hf, RAM", lambda: ours(args, "hf", log, ram / "hf"))
-        shutil.rmtree(ram, ignore_errors=True)
+    for key in args.rows:
+        name, fn = runs[key]
+        if key.endswith("-ram") and ram_free < need:
+            res["ram_note"] = f"{args.ram} has {ram_free / 2**30:.1f} GiB free, the RAM rows need {need / 2**30:.1f}"
+            print(res["ram_note"] + f": {name} skipped", flush=True)
+            continue
+        row(name, fn)
+        shutil.rmtree(disk if key.endswith("-disk") else ram, ignore_errors=True)  # tens of GB
 
     rows = res["rows"]
-    plain_warm = rows["plain vllm"]["warm_tok_per_s"]
-    bpt = rows["ours vllm, disk"]["bytes"] / max(rows["ours vllm, disk"]["tokens"], 1)
-    res["bytes_per_token"] = round(bpt)
-    res["disk_bound_tok_per_s"] = round(res["disk_write_fsync_bytes_per_s"] / bpt)
-    table = [("plain vllm prefill, cold", rows["plain vllm"]["cold_tok_per_s"], ""),
-             ("plain vllm prefill, warm", plain_warm, "= 1"),
-             ("disk write+fsync bound", res["disk_bound_tok_per_s"], f"{bpt:.0f} B/token")]
+    plain_warm = rows.get("plain vllm", {}).get("warm_tok_per_s")
+    ours_rows = [r for n, r in rows.items() if n.startswith("ours")]
+    bpt = ours_rows[0]["bytes"] / max(ours_rows[0]["tokens"], 1) if ours_rows else 0
+    table = []
+    if plain_warm:
+        table += [("plain vllm prefill, cold", rows["plain vllm"]["cold_tok_per_s"], ""),
+                  ("plain vllm prefill, warm", plain_warm, "= 1")]
+    if bpt:
+        res["bytes_per_token"] = round(bpt)
+        res["disk_bound_tok_per_s"] = round(res["disk_write_fsync_bytes_per_s"] / bpt)
+        table.append(("disk write+fsync bound", res["disk_bound_tok_per_s"], f"{bpt:.0f} B/token"))
     for name, r in rows.items():
-        if name.startswith("ours vllm"):
-            hf = rows.get("ours hf, RAM" if name.endswith("RAM") and "disk" not in name else "ours hf, disk")
+        if not name.startswith("ours"):
+            continue
+        notes = []
+        if plain_warm:
             r["ratio_vs_plain_warm"] = round(r["tokens_per_s"] / plain_warm, 3)
-            note = f"{r['ratio_vs_plain_warm']:.2f}x plain"
-            if hf:
-                r["ratio_vs_hf"] = round(r["tokens_per_s"] / hf["tokens_per_s"], 2)
-                note += f", {r['ratio_vs_hf']:.2f}x hf"
-            if "disk" in name:
-                note += f", {r['tokens_per_s'] * r['bytes'] / r['tokens'] / res['disk_write_fsync_bytes_per_s']:.2f} of disk bound"
-            table.append((name, r["tokens_per_s"], note))
-        elif name.startswith("ours hf"):
-            table.append((name, r["tokens_per_s"], f"{r['tokens_per_s'] / plain_warm:.2f}x plain"))
+            notes.append(f"{r['ratio_vs_plain_warm']:.2f}x plain")
+        hf = rows.get("ours hf, RAM" if name.endswith("RAM") else "ours hf, disk")
+        if name.startswith("ours vllm") and hf:
+            r["ratio_vs_hf"] = round(r["tokens_per_s"] / hf["tokens_per_s"], 2)
+            notes.append(f"{r['ratio_vs_hf']:.2f}x hf")
+        if "disk" in name:
+            notes.append(f"{r['tokens_per_s'] * r['bytes'] / r['tokens'] / res['disk_write_fsync_bytes_per_s']:.2f} "
+                         "of disk bound")
+        table.append((name, r["tokens_per_s"], ", ".join(notes)))
     save()
     print(f"\n{'':<38} {'tok/s':>10}  note")
     for name, tps, note in table:

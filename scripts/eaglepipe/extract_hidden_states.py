@@ -368,11 +368,12 @@ def main(argv=None) -> None:
     needs = {shard_dir: (tokens_todo * bpt, "the shards still to write")}
     staging = None
     if args.backend == "vllm":
-        from .extract_vllm import WINDOW_TOKENS
+        from .extract_vllm import LOOKAHEAD_TOKENS
 
         # vLLM's files wait from generation until a writer takes them: the queue of 2 x writers
-        # batches plus the window being generated
-        staged = min(tokens_todo, (2 * writers + 1) * batch_tokens + WINDOW_TOKENS) * L * H * dtype_bytes
+        # batches, the batch being handed over, and what is queued in the engine (the lookahead,
+        # overshot by up to one batch)
+        staged = min(tokens_todo, (2 * writers + 2) * batch_tokens + LOOKAHEAD_TOKENS) * L * H * dtype_bytes
         staging = staging_dir(args, shard_dir, staged)
         if same_filesystem(staging.parent, shard_dir):
             needs[shard_dir] = (needs[shard_dir][0] + staged, "the shards still to write and vLLM's staging")

@@ -4,6 +4,11 @@ The call is the one verified on an H200 with vLLM 0.26.0 (shared/device/README.m
 ``ExampleHiddenStatesConnector`` writes one safetensors file per request into a staging
 directory; we read each file (``load_hidden_states`` waits on the writer's lock), hand the
 states to the caller and delete the file. vLLM is imported lazily: CPU users do not have it.
+
+Requests are streamed: ``LLM.enqueue`` keeps the engine fed and ``llm_engine.step()`` collects
+what finished, so a batch goes to the writers as soon as its last request is done. Calling
+``generate()`` on windows of requests (the previous design) let the engine drain at every
+window's end and left the whole last window to the writers after the GPU had finished.
 """
 
 from __future__ import annotations
@@ -16,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-# Tokens handed to one generate() call (at least one batch): enough to keep the GPU busy, small
-# enough that the caller's threads pack and write one window while the GPU runs the next.
-WINDOW_TOKENS = 1 << 17
+# Tokens queued in the engine and not yet finished: several scheduler steps' worth keeps the GPU
+# busy while the caller is busy, and it bounds the files staged at any time.
+LOOKAHEAD_TOKENS = 1 << 17
 
 Loader = Callable[[], list[tuple[torch.Tensor, list[int]]]]
 
@@ -53,42 +58,61 @@ class VLLMExtractor:
         self.params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
 
     def batches(self, batches: Iterable[tuple[object, list[list[int]]]]) -> Iterator[tuple[object, Loader]]:
-        """For each (key, token lists) yield (key, loader); loader() -> [(states [T, L, H], token ids)].
-
-        Loaders may run in other threads; the next window is generated only when the caller asks
-        for the next item after the current window's last one, so the caller overlaps writing
-        with generation.
-        """
-        window: list[tuple[object, list[list[int]]]] = []
-        tokens = 0
-        for key, seqs in batches:
-            window.append((key, seqs))
-            tokens += sum(len(s) for s in seqs)
-            if tokens >= WINDOW_TOKENS:
-                yield from self._generate(window)
-                window, tokens = [], 0
-        if window:
-            yield from self._generate(window)
-
-    def _generate(self, window):
-        prompts = [{"prompt_token_ids": s} for _, seqs in window for s in seqs]
-        outs = self.llm.generate(prompts, self.params, use_tqdm=False)
-        start = 0
-        for key, seqs in window:
-            paths = []
-            for o in outs[start:start + len(seqs)]:
-                path = (o.kv_transfer_params or {}).get("hidden_states_path")
-                if not path:
-                    raise RuntimeError(f"vLLM request {o.request_id} returned no hidden_states_path "
-                                       f"(kv_transfer_params={o.kv_transfer_params!r})")
-                paths.append(path)
-            start += len(seqs)
+        """For each (key, token lists) yield (key, loader) in the order the batches finish;
+        loader() -> [(states [T, L, H], token ids)] in the batch's order, callable from any thread."""
+        for key, paths in stream_requests(self.llm, self.params, batches, LOOKAHEAD_TOKENS):
             yield key, _loader(paths)
 
     def close(self) -> None:
         del self.llm
         gc.collect()
         shutil.rmtree(self.staging, ignore_errors=True)
+
+
+def stream_requests(llm, params, batches: Iterable[tuple[object, list[list[int]]]],
+                    lookahead_tokens: int) -> Iterator[tuple[object, list[str]]]:
+    """Yield (key, the connector's file of each sequence) for each batch once all its requests finished.
+
+    At most ``lookahead_tokens`` (or one batch, if larger) are queued in the engine, and more are
+    enqueued only when the caller asks for the next batch: a caller that stops asking (its
+    writers are behind) stops the feed. The engine core runs in its own process and computes
+    while the caller works.
+    """
+    engine = llm.llm_engine
+    feed = iter(batches)
+    owner: dict[str, tuple[int, int, int]] = {}  # request id -> (batch number, position, tokens)
+    unfinished: dict[int, tuple[object, list[str | None]]] = {}
+    queued = number = 0
+    fed_all = False
+    while True:
+        while not fed_all and queued < lookahead_tokens:
+            item = next(feed, None)
+            if item is None:
+                fed_all = True
+                break
+            key, seqs = item
+            ids = llm.enqueue([{"prompt_token_ids": s} for s in seqs], params, use_tqdm=False)
+            unfinished[number] = (key, [None] * len(seqs))
+            for pos, (rid, s) in enumerate(zip(ids, seqs, strict=True)):
+                owner[rid] = (number, pos, len(s))
+            queued += sum(map(len, seqs))
+            number += 1
+        if not owner:
+            return
+        for out in engine.step():
+            if not out.finished:
+                continue
+            b, pos, n = owner.pop(out.request_id)
+            queued -= n
+            path = (out.kv_transfer_params or {}).get("hidden_states_path")
+            if not path:
+                raise RuntimeError(f"vLLM request {out.request_id} returned no hidden_states_path "
+                                   f"(kv_transfer_params={out.kv_transfer_params!r})")
+            key, paths = unfinished[b]
+            paths[pos] = path
+            if all(paths):
+                del unfinished[b]
+                yield key, paths
 
 
 def _loader(paths: list[str]) -> Loader:
