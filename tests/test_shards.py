@@ -103,8 +103,10 @@ def test_manifest_round_trip_and_errors(tmp_path):
         shards.load_manifest(tmp_path / "broken.json")
 
 
-def test_quantize_fp8_matches_the_float_absmax_reference():
-    x = torch.randn(64, 3, 96).to(torch.bfloat16)
+@pytest.mark.parametrize("chunk_elements", [1 << 20, 5 * 3 * 96, 1])  # one chunk; 5 rows, ragged end; 1 row
+def test_quantize_fp8_matches_the_float_absmax_reference(monkeypatch, chunk_elements):
+    monkeypatch.setattr(shards, "FP8_CHUNK_ELEMENTS", chunk_elements)
+    x = torch.randn(64, 4, 96).to(torch.bfloat16)[:, :-1]  # the aux layers: a strided view, as written
     x[0, 0] = 0  # an all-zero row keeps a tiny positive scale
     x[1, 1] = -x[1, 1].abs() * 50  # a row whose absmax is a negative value
     xf = x.float()
