@@ -36,8 +36,12 @@ class VLLMExtractor:
         # flashinfer is not part of the verified install; spawn keeps the engine clean of CUDA state
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        import vllm
         from vllm import LLM, SamplingParams
 
+        if not hasattr(LLM, "enqueue"):  # checked before a load that takes minutes on a large target
+            raise SystemExit(f"vLLM {vllm.__version__} has no LLM.enqueue (added by vLLM PR #33195, "
+                             "2026); extraction streams its requests through it: use vLLM 0.26.0")
         self.staging = Path(staging_dir)
         shutil.rmtree(self.staging, ignore_errors=True)  # leftovers of a crashed run
         self.staging.mkdir(parents=True)
