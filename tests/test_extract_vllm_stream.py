@@ -8,6 +8,7 @@ file path is an error that names the request.
 
 import itertools
 import random
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -109,3 +110,16 @@ def test_a_request_without_a_file_path_is_an_error_naming_it():
     engine = FakeEngine(budget=10_000, drop_path_of="3")
     with pytest.raises(RuntimeError, match="vLLM request 3 returned no hidden_states_path"):
         list(stream_requests(engine, None, make_batches(3, 4), lookahead_tokens=10_000))
+
+
+def test_a_vllm_without_enqueue_is_refused_before_loading(monkeypatch, tmp_path):
+    from eaglepipe.extract_vllm import VLLMExtractor
+
+    class OldLLM:
+        def __init__(self, **kw):
+            raise AssertionError("the model must not be loaded")
+
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(__version__="0.17.0", LLM=OldLLM, SamplingParams=dict))
+    with pytest.raises(SystemExit, match=r"vLLM 0.17.0 has no LLM.enqueue .* use vLLM 0.26.0"):
+        VLLMExtractor("model", [2, 4], "bfloat16", tmp_path / "staging")
+    assert not (tmp_path / "staging").exists()
