@@ -6,9 +6,7 @@ reorders requests, the engine is fed continuously but never beyond the lookahead
 file path is an error that names the request.
 """
 
-import itertools
 import random
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -17,28 +15,25 @@ from eaglepipe.extract_vllm import stream_requests
 
 
 class FakeEngine:
-    """``LLM.enqueue`` + ``llm_engine.step()``: each step finishes requests worth up to ``budget``
+    """``llm_engine.add_request`` + ``step()``: each step finishes requests worth up to ``budget``
     tokens, in a shuffled order (vLLM finishes short prompts first, chunked prefill splits long
     ones)."""
 
     def __init__(self, budget: int, seed: int = 0, drop_path_of: str | None = None):
         self.budget, self.rng, self.drop_path_of = budget, random.Random(seed), drop_path_of
-        self.counter = itertools.count()
+        self.order: list[str] = []
         self.queue: dict[str, int] = {}
         self.enqueued_tokens = 0
         self.max_queued = 0
         self.steps = 0
         self.llm_engine = self
 
-    def enqueue(self, prompts, params, use_tqdm=False):
-        ids = []
-        for p in prompts:
-            rid = str(next(self.counter))
-            self.queue[rid] = len(p["prompt_token_ids"])
-            ids.append(rid)
-        self.enqueued_tokens += sum(len(p["prompt_token_ids"]) for p in prompts)
+    def add_request(self, request_id, prompt, params):
+        assert request_id not in self.queue
+        self.order.append(request_id)
+        self.queue[request_id] = len(prompt["prompt_token_ids"])
+        self.enqueued_tokens += len(prompt["prompt_token_ids"])
         self.max_queued = max(self.max_queued, sum(self.queue.values()))
-        return ids
 
     def step(self):
         assert self.queue, "step() with nothing queued would block forever in vLLM"
@@ -67,11 +62,10 @@ def test_every_batch_once_with_its_files_in_sample_order():
     engine = FakeEngine(budget=1000)
     got = dict(stream_requests(engine, None, batches, lookahead_tokens=2000))
     assert sorted(got) == [key for key, _ in batches]
-    # request ids were handed out in feed order, so sample i of the k-th batch fed owns the id
-    # sum(len(earlier batches)) + i; its file path carries that id
+    # requests were added in feed order; the file of sample i of a batch is its request's
     start = 0
     for key, seqs in batches:
-        assert got[key] == [f"/stage/{start + i}.safetensors" for i in range(len(seqs))]
+        assert got[key] == [f"/stage/{rid}.safetensors" for rid in engine.order[start:start + len(seqs)]]
         start += len(seqs)
     assert engine.enqueued_tokens == sum(len(s) for _, seqs in batches for s in seqs)
 
@@ -107,19 +101,7 @@ def test_no_batches_never_steps_the_engine():
 
 
 def test_a_request_without_a_file_path_is_an_error_naming_it():
-    engine = FakeEngine(budget=10_000, drop_path_of="3")
-    with pytest.raises(RuntimeError, match="vLLM request 3 returned no hidden_states_path"):
+    engine = FakeEngine(budget=10_000, drop_path_of="eaglepipe-1-0")
+    with pytest.raises(RuntimeError, match="vLLM request eaglepipe-1-0 returned no hidden_states_path"):
         list(stream_requests(engine, None, make_batches(3, 4), lookahead_tokens=10_000))
 
-
-def test_a_vllm_without_enqueue_is_refused_before_loading(monkeypatch, tmp_path):
-    from eaglepipe.extract_vllm import VLLMExtractor
-
-    class OldLLM:
-        def __init__(self, **kw):
-            raise AssertionError("the model must not be loaded")
-
-    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(__version__="0.17.0", LLM=OldLLM, SamplingParams=dict))
-    with pytest.raises(SystemExit, match=r"vLLM 0.17.0 has no LLM.enqueue .* use vLLM 0.26.0"):
-        VLLMExtractor("model", [2, 4], "bfloat16", tmp_path / "staging")
-    assert not (tmp_path / "staging").exists()

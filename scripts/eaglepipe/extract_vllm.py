@@ -5,8 +5,9 @@ The call is the one verified on an H200 with vLLM 0.26.0 (shared/device/README.m
 directory; we read each file (``load_hidden_states`` waits on the writer's lock), hand the
 states to the caller and delete the file. vLLM is imported lazily: CPU users do not have it.
 
-Requests are streamed: ``LLM.enqueue`` keeps the engine fed and ``llm_engine.step()`` collects
-what finished, so a batch goes to the writers as soon as its last request is done. Calling
+Requests are streamed through the engine under ``LLM`` (``llm_engine.add_request`` with our own
+request ids, which the outputs carry back, and ``step()``): the engine stays fed and
+``step()`` returns what finished, so a batch goes to the writers as soon as its last request is done. Calling
 ``generate()`` on windows of requests (the previous design) let the engine drain at every
 window's end and left the whole last window to the writers after the GPU had finished.
 """
@@ -36,12 +37,8 @@ class VLLMExtractor:
         # flashinfer is not part of the verified install; spawn keeps the engine clean of CUDA state
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-        import vllm
         from vllm import LLM, SamplingParams
-
-        if not hasattr(LLM, "enqueue"):  # checked before a load that takes minutes on a large target
-            raise SystemExit(f"vLLM {vllm.__version__} has no LLM.enqueue (added by vLLM PR #33195, "
-                             "2026); extraction streams its requests through it: use vLLM 0.26.0")
+        from vllm.sampling_params import RequestOutputKind
         self.staging = Path(staging_dir)
         shutil.rmtree(self.staging, ignore_errors=True)  # leftovers of a crashed run
         self.staging.mkdir(parents=True)
@@ -59,7 +56,8 @@ class VLLMExtractor:
                 "kv_connector_extra_config": {"shared_storage_path": str(self.staging)},
             },
         )
-        self.params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+        self.params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
+                                     output_kind=RequestOutputKind.FINAL_ONLY)
 
     def batches(self, batches: Iterable[tuple[object, list[list[int]]]]) -> Iterator[tuple[object, Loader]]:
         """For each (key, token lists) yield (key, loader) in the order the batches finish;
@@ -95,9 +93,10 @@ def stream_requests(llm, params, batches: Iterable[tuple[object, list[list[int]]
                 fed_all = True
                 break
             key, seqs = item
-            ids = llm.enqueue([{"prompt_token_ids": s} for s in seqs], params, use_tqdm=False)
             unfinished[number] = (key, [None] * len(seqs))
-            for pos, (rid, s) in enumerate(zip(ids, seqs, strict=True)):
+            for pos, s in enumerate(seqs):
+                rid = f"eaglepipe-{number}-{pos}"
+                engine.add_request(rid, {"prompt_token_ids": s}, params)
                 owner[rid] = (number, pos, len(s))
             queued += sum(map(len, seqs))
             number += 1
