@@ -217,11 +217,13 @@ def main() -> None:
     print(f"\n{'':<38} {'tok/s':>10}  note")
     for name, tps, note in table:
         print(f"{name:<38} {tps:>10,.0f}  {note}")
-    print(f"\n{'time split (s)':<38} {'run':>6} {'backend':>8} {'wait':>6} {'tail':>6}  writers")
+    print(f"\n{'time split (s)':<38} {'run':>6} {'backend':>8} {'wait':>6} {'tail':>6}  writers: "
+          "n, summed time taking the backend's output, checking + writing")
     for name, r in rows.items():
         if "backend_s" in r:
             print(f"{name:<38} {r['seconds']:>6.1f} {r['backend_s']:>8.1f} {r['writers_wait_s']:>6.1f} "
-                  f"{r['tail_s']:>6.1f}  {r['writers']}")
+                  f"{r['tail_s']:>6.1f}  {r['writers']}, {r.get('writers_load_s', float('nan')):.1f}, "
+                  f"{r.get('writers_write_s', float('nan')):.1f}")
     print("BENCH " + json.dumps(res), flush=True)
 
 

@@ -84,6 +84,9 @@ def test_cli_writes_shards_with_bf16_states_and_metadata(tmp_path, tiny_dsv3):
     assert tp["backend_s"] > 0 and tp["writers_wait_s"] >= 0 and tp["tail_s"] >= 0
     # the parts lie inside the run; each of the four figures is rounded to the ms (0.5 ms each)
     assert tp["backend_s"] + tp["writers_wait_s"] + tp["tail_s"] <= tp["seconds"] + 4 * 0.0005
+    # the writers' own time: writing 4 shards takes time; summed over the writers it fits in the run
+    assert tp["writers_write_s"] > 0 and tp["writers_load_s"] >= 0
+    assert tp["writers_load_s"] + tp["writers_write_s"] <= tp["writers"] * tp["seconds"] + 3 * 0.0005
 
 
 @pytest.mark.parametrize("ids, message", [

@@ -400,24 +400,31 @@ def main(argv=None) -> None:
         log(f"{args.backend} backend loaded in {load_s:.1f}s")
         work = (((split, b), [s.input_ids for s in batches[split][b]]) for split, b in todo)
         with ThreadPoolExecutor(writers) as pool, TokenProgress(tokens_todo, "extract") as bar:
-            def submit(key, loader):
+            # where the time goes: in the backend (the GPU's share) or blocked on the writers; the
+            # tail after the last batch is the writers' alone. The writers' own time, summed over
+            # them, splits into taking the backend's output (for vLLM: waiting for the connector to
+            # finish its files) and checking + writing shards (checksums, disk)
+            busy = {"backend_s": 0.0, "writers_wait_s": 0.0, "writers_load_s": 0.0, "writers_write_s": 0.0}
+
+            def write(key, loader):
                 split, b = key
-                return pool.submit(lambda: (key, pack_and_write(
-                    shard_dir / shard_name(split, b), split, b, batches[split][b], loader(), meta,
-                    args.storage_dtype, L, H)))
+                t0 = time.perf_counter()
+                loaded = loader()
+                t1 = time.perf_counter()
+                result = pack_and_write(shard_dir / shard_name(split, b), split, b, batches[split][b], loaded,
+                                        meta, args.storage_dtype, L, H)
+                return key, result, t1 - t0, time.perf_counter() - t1
 
             def finish(future):
-                (split, b), (row, skip) = future.result()
+                (split, b), (row, skip), load_s, write_s = future.result()
+                busy["writers_load_s"] += load_s
+                busy["writers_write_s"] += write_s
                 skipped.extend(skip)
                 if row is None:
                     empty[split].append(b)
                 else:
                     rows[split].append(dict(row, batch=b))
                 bar.update(sum(len(s.input_ids) for s in batches[split][b]), shards=sum(map(len, rows.values())))
-
-            # where the time goes: in the backend (the GPU's share) or blocked on the writers
-            # (checks, checksums, disk); the tail after the last batch is the writers' alone
-            busy = {"backend_s": 0.0, "writers_wait_s": 0.0}
 
             def timed(key: str, fn, *a):
                 t = time.perf_counter()
@@ -430,7 +437,7 @@ def main(argv=None) -> None:
             items = backend.batches(work)
             try:
                 while (item := timed("backend_s", next, items, None)) is not None:
-                    pending.append(submit(*item))
+                    pending.append(pool.submit(write, *item))
                     while pending and (len(pending) > 2 * writers or pending[0].done()):
                         timed("writers_wait_s", finish, pending.popleft())
                 t_tail = time.perf_counter()
@@ -443,7 +450,10 @@ def main(argv=None) -> None:
             progress = dict(bar.summary(), writers=writers, **{k: round(v, 3) for k, v in busy.items()})
         backend.close()
         log(f"time: {progress['seconds']:.1f}s = backend {busy['backend_s']:.1f}s + waiting for the writers "
-            f"({writers}) {busy['writers_wait_s']:.1f}s + their tail {busy['tail_s']:.1f}s (+ overheads)")
+            f"({writers}) {busy['writers_wait_s']:.1f}s + their tail {busy['tail_s']:.1f}s (+ overheads); the "
+            f"writers, summed: {busy['writers_load_s']:.1f}s taking the backend's output"
+            + (" (waiting for vLLM's files)" if args.backend == "vllm" else "")
+            + f", {busy['writers_write_s']:.1f}s checking and writing shards")
     log(f"reused {n_reused} shards, wrote {len(todo) - sum(map(len, empty.values()))}")
     if skipped:
         log(f"skipped {len(skipped)} samples with non-finite hidden states: "
