@@ -6,10 +6,9 @@ directory; we read each file (``load_hidden_states`` waits on the writer's lock)
 states to the caller and delete the file. vLLM is imported lazily: CPU users do not have it.
 
 Requests are streamed through the engine under ``LLM`` (``llm_engine.add_request`` with our own
-request ids, which the outputs carry back, and ``step()``): the engine stays fed and
-``step()`` returns what finished, so a batch goes to the writers as soon as its last request is done. Calling
-``generate()`` on windows of requests (the previous design) let the engine drain at every
-window's end and left the whole last window to the writers after the GPU had finished.
+request ids, which the outputs carry back, and ``step()``, which returns what finished): the
+engine stays fed, and a batch goes to the writers as soon as its last request is done.
+``generate()`` on windows of requests let the engine drain at every window's end.
 """
 
 from __future__ import annotations
@@ -39,6 +38,7 @@ class VLLMExtractor:
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         from vllm import LLM, SamplingParams
         from vllm.sampling_params import RequestOutputKind
+
         self.staging = Path(staging_dir)
         shutil.rmtree(self.staging, ignore_errors=True)  # leftovers of a crashed run
         self.staging.mkdir(parents=True)
