@@ -174,8 +174,12 @@ def main() -> None:
     unknown = set(args.rows) - set(runs)
     if unknown:
         ap.error(f"--rows: unknown {sorted(unknown)}; known {list(runs)}")
+    sys.path.insert(0, str(REPO / "scripts"))
+    from eaglepipe.extract_hidden_states import bytes_per_token
+
     hidden = json.loads((work / "model" / "config.json").read_text())["hidden_size"]
-    need = 1.2 * args.n * args.len * len(args.layer_ids.split(",")) * hidden * 2  # bf16 shards + staging
+    # the bf16 shards of all tokens, +20 % for vLLM's staged files
+    need = 1.2 * args.n * args.len * bytes_per_token(len(args.layer_ids.split(",")), hidden, 2, "model")
     ram_free = shutil.disk_usage(args.ram).free if Path(args.ram).is_dir() else 0
     for key in args.rows:
         name, fn = runs[key]
