@@ -104,4 +104,3 @@ def test_a_request_without_a_file_path_is_an_error_naming_it():
     engine = FakeEngine(budget=10_000, drop_path_of="eaglepipe-1-0")
     with pytest.raises(RuntimeError, match="vLLM request eaglepipe-1-0 returned no hidden_states_path"):
         list(stream_requests(engine, None, make_batches(3, 4), lookahead_tokens=10_000))
-
