@@ -3,7 +3,7 @@
 prefill and against our hf backend, same model and same tokens, in one run.
 
   python3 benchmarks/bench_extraction.py [--arch llama1b --n 1024 --len 1024 --batch-size 16 --json FILE]
-                                         [--rows plain,vllm-disk,hf-disk,fp8-disk,vllm-ram,hf-ram]
+                                         [--rows plain,vllm-disk,hf-disk,fp8-disk,vllm-ram,hf-ram,...]
 
 Run on the H200 from the repository root after vLLM was staged (PYTHONPATH=/tmp/site). Rows:
   plain vllm   LLM.generate(max_tokens=1) without capture, the first call after start (cold, as
@@ -12,6 +12,8 @@ Run on the H200 from the repository root after vLLM was staged (PYTHONPATH=/tmp/
                first generate() to the last shard written (fsynced, checksummed); no model load.
                Shards on the disk (staging 'auto', the default: RAM disk), also with fp8 storage,
                and shards on the RAM disk (the pipeline's own bound, disk removed)
+               On the RAM disk also with the writers as threads instead of processes
+               (vllm-ram-threads) and with 16 instead of 8 connector threads (vllm-ram-conn16)
   ours hf      the same CLI with --backend hf --device cuda, shards on disk and on the RAM disk
 plus the disk's write+fsync speed, which bounds any extraction that keeps its shards on it, and
 each run's time split (backend / waiting for writers / writers' tail, from its manifest).
@@ -96,7 +98,7 @@ def run(cmd: list[str], log: Path, timeout: int) -> tuple[float, str]:
 
 
 def ours(args, backend: str, log: Path, shard_root: Path, staging: Path | None = None,
-         storage: str = "model") -> dict:
+         storage: str = "model", extra: tuple[str, ...] = ()) -> dict:
     work = Path(args.work)
     out = shard_root / "part.json"
     shutil.rmtree(shard_root, ignore_errors=True)
@@ -108,7 +110,7 @@ def ours(args, backend: str, log: Path, shard_root: Path, staging: Path | None =
                    "--max-model-len", str(args.max_model_len), "--gpu-memory-utilization", str(args.gpu_util),
                    *([] if args.compiled else ["--enforce-eager"]),
                    *(["--staging-dir", str(staging)] if staging else []), "--shard-dir", str(shard_root / "shards"),
-                   "--replica", "0", "--replicas", "1", "--out", str(out)], log, 540)
+                   "--replica", "0", "--replicas", "1", "--out", str(out), *extra], log, 540)
     m = json.loads(out.read_text())
     return dict(m["throughput"], wall_s=round(wall, 1), bytes=sum(s["bytes"] for s in m["splits"].values()),
                 shards=sum(len(s["shards"]) for s in m["splits"].values()))
@@ -169,6 +171,10 @@ def main() -> None:
         "hf-disk": ("ours hf, disk", lambda: ours(args, "hf", log, disk)),
         "fp8-disk": ("ours vllm, disk, fp8", lambda: ours(args, "vllm", log, disk, storage="fp8")),
         "vllm-ram": ("ours vllm, RAM", lambda: ours(args, "vllm", log, ram / "vllm")),
+        "vllm-ram-threads": ("ours vllm, RAM, writer threads",
+                             lambda: ours(args, "vllm", log, ram / "vllm", extra=("--writer-pool", "threads"))),
+        "vllm-ram-conn16": ("ours vllm, RAM, 16 connector threads",
+                            lambda: ours(args, "vllm", log, ram / "vllm", extra=("--connector-threads", "16"))),
         "hf-ram": ("ours hf, RAM", lambda: ours(args, "hf", log, ram / "hf")),
     }
     unknown = set(args.rows) - set(runs)
@@ -209,7 +215,7 @@ def main() -> None:
         if plain_warm:
             r["ratio_vs_plain_warm"] = round(r["tokens_per_s"] / plain_warm, 3)
             notes.append(f"{r['ratio_vs_plain_warm']:.2f}x plain")
-        hf = rows.get("ours hf, RAM" if name.endswith("RAM") else "ours hf, disk")
+        hf = rows.get("ours hf, RAM" if "RAM" in name else "ours hf, disk")
         if name.startswith("ours vllm") and hf:
             r["ratio_vs_hf"] = round(r["tokens_per_s"] / hf["tokens_per_s"], 2)
             notes.append(f"{r['ratio_vs_hf']:.2f}x hf")
@@ -222,11 +228,11 @@ def main() -> None:
     for name, tps, note in table:
         print(f"{name:<38} {tps:>10,.0f}  {note}")
     print(f"\n{'time split (s)':<38} {'run':>6} {'backend':>8} {'wait':>6} {'tail':>6}  writers: "
-          "n, summed time taking the backend's output, checking + writing")
+          "n pool, summed time taking the backend's output, checking + writing")
     for name, r in rows.items():
         if "backend_s" in r:
             print(f"{name:<38} {r['seconds']:>6.1f} {r['backend_s']:>8.1f} {r['writers_wait_s']:>6.1f} "
-                  f"{r['tail_s']:>6.1f}  {r['writers']}, {r.get('writers_load_s', float('nan')):.1f}, "
+                  f"{r['tail_s']:>6.1f}  {r['writers']} {r.get('writer_pool', 'threads')}, {r.get('writers_load_s', float('nan')):.1f}, "
                   f"{r.get('writers_write_s', float('nan')):.1f}")
     print("BENCH " + json.dumps(res), flush=True)
 

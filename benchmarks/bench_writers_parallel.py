@@ -8,7 +8,8 @@ vLLM-connector-like files (one safetensors file per sample, ``hidden_states [T, 
 ``token_ids``, written beforehand with safetensors' ``save_file`` as the connector does), check
 and pack them into one shard (``extract_hidden_states.pack_and_write``: finite check, pieces
 streamed and hashed into the file, fsync, rename) and delete the inputs. N writers work N batches
-at once, as N threads of one process (how extraction runs them) or as N processes. Prints the
+at once, as N threads of one process or as N processes (extraction's two writer pools:
+processes for vLLM's files, threads for the hf backend's tensors). Prints the
 aggregate GiB/s of hidden states per row and the ratio processes / threads.
 
 Why: on the H200 host (16 cores) 8 writer threads packed only ~2.5 GB/s together while one
@@ -17,12 +18,10 @@ fed continuously. This shows whether more threads help or the process's threads 
 """
 
 import argparse
-import multiprocessing
 import os
 import shutil
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -30,6 +29,7 @@ from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from eaglepipe.extract_hidden_states import Sample, pack_and_write  # noqa: E402
+from eaglepipe.writer_pool import POOLS, make_pool  # noqa: E402
 
 
 def make_batch(d: Path, tag: str, samples: int, sample_len: int, states: torch.Tensor) -> list[str]:
@@ -54,10 +54,6 @@ def job(paths: list[str], out: str, layers: int, hidden: int) -> int:
     return row["bytes"]
 
 
-def init_worker(threads: int) -> None:
-    torch.set_num_threads(threads)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--writers", type=lambda t: [int(x) for x in t.split(",")], default=[1, 2, 4, 8])
@@ -79,13 +75,8 @@ def main() -> None:
     best: dict[tuple[str, int], float] = {}
     try:
         for n in args.writers:
-            pools = {"threads": lambda: ThreadPoolExecutor(n),
-                     # spawn: a fork of a process whose OpenMP pool is running deadlocks
-                     "processes": lambda: ProcessPoolExecutor(n, multiprocessing.get_context("spawn"),
-                                                              initializer=init_worker,
-                                                              initargs=(max(1, cores // n),))}
-            for mode, make_pool in pools.items():
-                with make_pool() as pool:
+            for mode in POOLS:
+                with make_pool(mode, n) as pool:  # extraction's own pools
                     list(pool.map(int, range(n)))  # workers started before the clock
                     for r in range(args.repeat):
                         batches = [make_batch(root, f"{mode}{n}-{r}-{w}", args.samples, args.sample_len, states)

@@ -1,6 +1,7 @@
 """The hf backend against a hand computation, and the extraction CLI's checks and skips."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -131,11 +132,26 @@ def test_non_finite_states_are_skipped_counted_and_listed(tmp_path, tiny_llama, 
     assert again["skipped"] == m["skipped"] and "reused 3 shards, wrote 0" in capsys.readouterr().err
 
 
-def test_token_count_mismatch_names_the_sample(tmp_path, tiny_llama, monkeypatch):
+@pytest.mark.parametrize("pool", ["threads", "processes"])
+def test_token_count_mismatch_names_the_sample(tmp_path, tiny_llama, monkeypatch, pool):
     real = HFExtractor.extract
     monkeypatch.setattr(HFExtractor, "extract", lambda self, seqs: [h[:-1] for h in real(self, seqs)])
+    # raised in a writer process, the error reaches the caller with its message
     with pytest.raises(SystemExit, match=r"sample 't0' \(train record 0\): hidden states of shape \("):
-        cli(tmp_path, tiny_llama)
+        cli(tmp_path, tiny_llama, "--writer-pool", pool)
+
+
+def test_writer_processes_write_the_same_shards_as_threads(tmp_path, tiny_llama):
+    def shard_bytes():
+        return {p.name: p.read_bytes() for p in sorted((tmp_path / "hs" / "shards").glob("*.safetensors"))}
+
+    m = cli(tmp_path, tiny_llama, "--writer-pool", "threads", "--storage-dtype", "fp8")
+    by_threads = shard_bytes()
+    shutil.rmtree(tmp_path / "hs")
+    again = cli(tmp_path, tiny_llama, "--writer-pool", "processes", "--storage-dtype", "fp8")
+    assert (m["throughput"]["writer_pool"], again["throughput"]["writer_pool"]) == ("threads", "processes")
+    assert len(by_threads) == 3 and shard_bytes() == by_threads
+    assert again["splits"] == m["splits"]
 
 
 def test_bad_input_records_name_file_and_line(tmp_path, tiny_llama):

@@ -7,6 +7,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 import tiny
 from eaglepipe import extract_hidden_states as ehs
 
@@ -39,7 +41,8 @@ def last_line(log: Path, prefix: str) -> str:
     return last_line_of(log.read_text(), prefix)
 
 
-def test_resume_after_kill_is_byte_identical(tmp_path, tiny_llama):
+@pytest.mark.parametrize("pool", ["threads", "processes"])
+def test_resume_after_kill_is_byte_identical(tmp_path, tiny_llama, pool):
     tiny.make_tokenized(tmp_path / "train.jsonl", 4 * (BATCHES - 4), 400, lengths=(30, 60), seed=3, prefix="t")
     tiny.make_tokenized(tmp_path / "eval.jsonl", 16, 400, lengths=(30, 60), seed=4, prefix="e")
     run_cli(tmp_path, tiny_llama, "full")
@@ -47,7 +50,7 @@ def test_resume_after_kill_is_byte_identical(tmp_path, tiny_llama):
     assert len(full) == BATCHES
 
     shard_dir = tmp_path / "killed" / "shards"
-    p = run_cli(tmp_path, tiny_llama, "killed", wait=False)
+    p = run_cli(tmp_path, tiny_llama, "killed", "--writer-pool", pool, wait=False)
     deadline = time.time() + 120
     while not list(shard_dir.glob("*.safetensors")) and p.poll() is None and time.time() < deadline:
         time.sleep(0.005)
@@ -57,7 +60,7 @@ def test_resume_after_kill_is_byte_identical(tmp_path, tiny_llama):
     assert 1 <= before < BATCHES, f"kill landed after {before} of {BATCHES} shards"
     assert not (tmp_path / "killed" / "part.json").exists()
 
-    run_cli(tmp_path, tiny_llama, "killed")
+    run_cli(tmp_path, tiny_llama, "killed", "--writer-pool", pool)
     log = tmp_path / "killed.log"
     assert last_line(log, "reused") == f"reused {before} shards, wrote {BATCHES - before}"
     assert shard_bytes(shard_dir) == full

@@ -7,6 +7,8 @@ norm, which is not what vLLM captures (shared/device/README.md §4), hence the h
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 FINAL_NORM_NAMES = ("norm", "final_layernorm", "final_layer_norm", "ln_f", "norm_f")
@@ -91,10 +93,15 @@ class HFExtractor:
         return out
 
     def batches(self, batches):
-        """Same interface as VLLMExtractor.batches: (key, loader), loader() -> [(states, None)]."""
+        """Same interface as VLLMExtractor.batches: (key, loader), loader() -> [(states, None)];
+        the loader pickles (with its tensors) for a writer process."""
         for key, seqs in batches:
-            states = self.extract(seqs)
-            yield key, lambda states=states: [(h, None) for h in states]
+            yield key, partial(as_loaded, self.extract(seqs))
 
     def close(self) -> None:
         del self.model
+
+
+def as_loaded(states: list[torch.Tensor]) -> list[tuple[torch.Tensor, None]]:
+    """What a writer takes: (states, token ids), the ids unknown (the forward took the input's)."""
+    return [(h, None) for h in states]

@@ -33,6 +33,7 @@ from .atomic import remove_stale_temporaries
 from .checksum import CHECKSUM, file_checksum
 from .layers import CONVENTION, resolve_layer_ids
 from .progress import TokenProgress
+from .writer_pool import POOLS, make_pool
 
 SPLITS = ("train", "eval")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -43,6 +44,9 @@ DISK_RESERVE = 1 << 30
 MAX_WRITERS = 8
 WRITER_MEMORY = 32 << 30
 RAM_DISK = Path("/dev/shm")
+# what a writer process imports when it starts, not in its first job
+WRITER_IMPORTS = {"hf": (), "vllm": ("eaglepipe.extract_vllm",
+                                     "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector")}
 
 
 def log(msg: str) -> None:
@@ -224,6 +228,64 @@ def pack_and_write(path: Path, split: str, b: int, batch: list[Sample], loaded, 
     return row, skipped
 
 
+def write_batch(path: Path, split: str, b: int, batch: list[Sample], loader, meta: dict, storage: str,
+                num_layers: int, hidden: int):
+    """One writer's job (a thread's or a process's): take the backend's output, write the shard;
+    return ((row, skipped), seconds taking the output, seconds checking and writing)."""
+    t0 = time.perf_counter()
+    loaded = loader()
+    t1 = time.perf_counter()
+    result = pack_and_write(path, split, b, batch, loaded, meta, storage, num_layers, hidden)
+    return result, t1 - t0, time.perf_counter() - t1
+
+
+def extract(backend, pool, writers: int, jobs: list[tuple[str, int, list[Sample]]], shard_dir: Path,
+            meta: dict, storage: str, num_layers: int, hidden: int):
+    """Stream the jobs' batches through the backend into the writers, at most 2 x writers batches
+    ahead of them; return ([(split, batch, row or None, skipped)], throughput with the time split)."""
+    by_key = {(split, b): batch for split, b, batch in jobs}
+    done = []
+    # where the time goes: in the backend (the GPU's share) or blocked on the writers; the tail
+    # after the last batch is the writers' alone. The writers' own time, summed over them, splits
+    # into taking the backend's output (for vLLM: waiting for the connector to finish its files)
+    # and checking + writing shards (checksums, disk)
+    busy = {"backend_s": 0.0, "writers_wait_s": 0.0, "writers_load_s": 0.0, "writers_write_s": 0.0}
+    with TokenProgress(sum(len(s.input_ids) for *_, batch in jobs for s in batch), "extract") as bar:
+
+        def finish(key, future):
+            (row, skip), load_s, write_s = future.result()
+            busy["writers_load_s"] += load_s
+            busy["writers_write_s"] += write_s
+            done.append((*key, row, skip))
+            bar.update(sum(len(s.input_ids) for s in by_key[key]), shards=len(done))
+
+        def timed(key: str, fn, *a):
+            t = time.perf_counter()
+            try:
+                return fn(*a)
+            finally:
+                busy[key] += time.perf_counter() - t
+
+        pending: deque = deque()
+        items = backend.batches((key, [s.input_ids for s in batch]) for key, batch in by_key.items())
+        try:
+            while (item := timed("backend_s", next, items, None)) is not None:
+                (split, b), loader = item
+                pending.append(((split, b), pool.submit(write_batch, shard_dir / shard_name(split, b), split, b,
+                                                        by_key[split, b], loader, meta, storage, num_layers,
+                                                        hidden)))
+                while pending and (len(pending) > 2 * writers or pending[0][1].done()):
+                    timed("writers_wait_s", finish, *pending.popleft())
+            t_tail = time.perf_counter()
+            while pending:
+                finish(*pending.popleft())
+            busy["tail_s"] = time.perf_counter() - t_tail
+        except BaseException:
+            pool.shutdown(cancel_futures=True)
+            raise
+        return done, dict(bar.summary(), writers=writers, **{k: round(v, 3) for k, v in busy.items()})
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--train", required=True, help="tokenized train JSONL {id, input_ids, loss_mask}")
@@ -244,6 +306,12 @@ def parse_args(argv=None):
     ap.add_argument("--staging-dir", default="auto",
                     help="vllm backend: where vLLM's per-request files wait to be packed: auto (the RAM "
                          f"disk {RAM_DISK} when it has room, else the shard directory), shards, or a directory")
+    ap.add_argument("--connector-threads", type=int, default=None,
+                    help="vllm backend: threads of vLLM's connector writing its per-request files "
+                         "(default: vLLM's, 8 in 0.26.0)")
+    ap.add_argument("--writer-pool", choices=["auto", *POOLS], default="auto",
+                    help="shard writers as threads or processes: auto = processes for vllm (its output is "
+                         "files; each writer gets its own interpreter), threads for hf (tensors in memory)")
     ap.add_argument("--shard-dir", required=True)
     ap.add_argument("--replica", type=int, default=0)
     ap.add_argument("--replicas", type=int, default=1)
@@ -293,7 +361,8 @@ def load_backend(args, layer_ids, num_hidden_layers, staging: Path | None):
             args.model, layer_ids, args.dtype, staging,
             tensor_parallel_size=args.tensor_parallel_size, max_model_len=args.max_model_len,
             gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
-            revision=args.revision, trust_remote_code=args.trust_remote_code)
+            revision=args.revision, trust_remote_code=args.trust_remote_code,
+            connector_threads=args.connector_threads)
     from .extract_hf import HFExtractor
 
     return HFExtractor(args.model, layer_ids, num_hidden_layers, DTYPES[args.dtype], device=args.device,
@@ -394,66 +463,29 @@ def main(argv=None) -> None:
     load_s = 0.0
     progress = {"tokens": 0, "seconds": 0.0, "tokens_per_s": 0.0}
     if todo:
-        t0 = time.perf_counter()
-        backend = load_backend(args, layer_ids, N, staging)
-        load_s = time.perf_counter() - t0
-        log(f"{args.backend} backend loaded in {load_s:.1f}s")
-        work = (((split, b), [s.input_ids for s in batches[split][b]]) for split, b in todo)
-        with ThreadPoolExecutor(writers) as pool, TokenProgress(tokens_todo, "extract") as bar:
-            # where the time goes: in the backend (the GPU's share) or blocked on the writers; the
-            # tail after the last batch is the writers' alone. The writers' own time, summed over
-            # them, splits into taking the backend's output (for vLLM: waiting for the connector to
-            # finish its files) and checking + writing shards (checksums, disk)
-            busy = {"backend_s": 0.0, "writers_wait_s": 0.0, "writers_load_s": 0.0, "writers_write_s": 0.0}
-
-            def write(key, loader):
-                split, b = key
-                t0 = time.perf_counter()
-                loaded = loader()
-                t1 = time.perf_counter()
-                result = pack_and_write(shard_dir / shard_name(split, b), split, b, batches[split][b], loaded,
-                                        meta, args.storage_dtype, L, H)
-                return key, result, t1 - t0, time.perf_counter() - t1
-
-            def finish(future):
-                (split, b), (row, skip), load_s, write_s = future.result()
-                busy["writers_load_s"] += load_s
-                busy["writers_write_s"] += write_s
-                skipped.extend(skip)
-                if row is None:
-                    empty[split].append(b)
-                else:
-                    rows[split].append(dict(row, batch=b))
-                bar.update(sum(len(s.input_ids) for s in batches[split][b]), shards=sum(map(len, rows.values())))
-
-            def timed(key: str, fn, *a):
-                t = time.perf_counter()
-                try:
-                    return fn(*a)
-                finally:
-                    busy[key] += time.perf_counter() - t
-
-            pending: deque = deque()
-            items = backend.batches(work)
-            try:
-                while (item := timed("backend_s", next, items, None)) is not None:
-                    pending.append(pool.submit(write, *item))
-                    while pending and (len(pending) > 2 * writers or pending[0].done()):
-                        timed("writers_wait_s", finish, pending.popleft())
-                t_tail = time.perf_counter()
-                while pending:
-                    finish(pending.popleft())
-                busy["tail_s"] = time.perf_counter() - t_tail
-            except BaseException:
-                pool.shutdown(cancel_futures=True)
-                raise
-            progress = dict(bar.summary(), writers=writers, **{k: round(v, 3) for k, v in busy.items()})
+        pool_kind = args.writer_pool if args.writer_pool != "auto" else \
+            "processes" if args.backend == "vllm" else "threads"
+        imports = WRITER_IMPORTS[args.backend] if pool_kind == "processes" else ()
+        with make_pool(pool_kind, writers, imports) as pool:
+            t0 = time.perf_counter()  # writer processes start while the model loads
+            backend = load_backend(args, layer_ids, N, staging)
+            load_s = time.perf_counter() - t0
+            log(f"{args.backend} backend loaded in {load_s:.1f}s")
+            jobs = [(split, b, batches[split][b]) for split, b in todo]
+            done, progress = extract(backend, pool, writers, jobs, shard_dir, meta, args.storage_dtype, L, H)
         backend.close()
-        log(f"time: {progress['seconds']:.1f}s = backend {busy['backend_s']:.1f}s + waiting for the writers "
-            f"({writers}) {busy['writers_wait_s']:.1f}s + their tail {busy['tail_s']:.1f}s (+ overheads); the "
-            f"writers, summed: {busy['writers_load_s']:.1f}s taking the backend's output"
+        for split, b, row, skip in done:
+            skipped.extend(skip)
+            if row is None:
+                empty[split].append(b)
+            else:
+                rows[split].append(dict(row, batch=b))
+        log(f"time: {progress['seconds']:.1f}s = backend {progress['backend_s']:.1f}s + waiting for the writers "
+            f"({writers} {pool_kind}) {progress['writers_wait_s']:.1f}s + their tail {progress['tail_s']:.1f}s "
+            f"(+ overheads); the writers, summed: {progress['writers_load_s']:.1f}s taking the backend's output"
             + (" (waiting for vLLM's files)" if args.backend == "vllm" else "")
-            + f", {busy['writers_write_s']:.1f}s checking and writing shards")
+            + f", {progress['writers_write_s']:.1f}s checking and writing shards")
+        progress["writer_pool"] = pool_kind
     log(f"reused {n_reused} shards, wrote {len(todo) - sum(map(len, empty.values()))}")
     if skipped:
         log(f"skipped {len(skipped)} samples with non-finite hidden states: "

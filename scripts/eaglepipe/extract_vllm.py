@@ -17,6 +17,7 @@ import gc
 import os
 import shutil
 from collections.abc import Callable, Iterable, Iterator
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -32,7 +33,8 @@ class VLLMExtractor:
     def __init__(self, model: str, layer_ids: list[int], dtype: str, staging_dir: str | os.PathLike,
                  tensor_parallel_size: int = 1, max_model_len: int = 8192,
                  gpu_memory_utilization: float = 0.9, enforce_eager: bool = False,
-                 revision: str | None = None, trust_remote_code: bool = False):
+                 revision: str | None = None, trust_remote_code: bool = False,
+                 connector_threads: int | None = None):
         # flashinfer is not part of the verified install; spawn keeps the engine clean of CUDA state
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
@@ -53,7 +55,8 @@ class VLLMExtractor:
             },
             kv_transfer_config={
                 "kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
-                "kv_connector_extra_config": {"shared_storage_path": str(self.staging)},
+                "kv_connector_extra_config": {"shared_storage_path": str(self.staging)} | (
+                    {"num_writer_threads": connector_threads} if connector_threads else {}),
             },
         )
         self.params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
@@ -61,9 +64,10 @@ class VLLMExtractor:
 
     def batches(self, batches: Iterable[tuple[object, list[list[int]]]]) -> Iterator[tuple[object, Loader]]:
         """For each (key, token lists) yield (key, loader) in the order the batches finish;
-        loader() -> [(states [T, L, H], token ids)] in the batch's order, callable from any thread."""
+        loader() -> [(states [T, L, H], token ids)] in the batch's order, callable from any thread
+        or, pickled, from another process (it holds only the file paths)."""
         for key, paths in stream_requests(self.llm, self.params, batches, LOOKAHEAD_TOKENS):
-            yield key, _loader(paths)
+            yield key, partial(load_files, paths)
 
     def close(self) -> None:
         del self.llm
@@ -118,17 +122,16 @@ def stream_requests(llm, params, batches: Iterable[tuple[object, list[list[int]]
                 yield key, paths
 
 
-def _loader(paths: list[str]) -> Loader:
-    def load():
-        from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
-            load_hidden_states,
-        )
+def load_files(paths: list[str]) -> list[tuple[torch.Tensor, list[int]]]:
+    """Read the connector's files of one batch and delete them."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+        load_hidden_states,
+    )
 
-        out = []
-        for path in paths:
-            d = load_hidden_states(path)  # blocks until the connector's writer releases the lock
-            out.append((d["hidden_states"], d["token_ids"].tolist()))
-            os.unlink(path)
-            Path(path + ".lock").unlink(missing_ok=True)
-        return out
-    return load
+    out = []
+    for path in paths:
+        d = load_hidden_states(path)  # blocks until the connector's writer releases the lock
+        out.append((d["hidden_states"], d["token_ids"].tolist()))
+        os.unlink(path)
+        Path(path + ".lock").unlink(missing_ok=True)
+    return out
