@@ -233,3 +233,16 @@ def test_vllm_staging_auto_takes_the_ram_disk_only_with_room(tmp_path, monkeypat
     assert ehs.staging_dir(args("shards"), shards_dir, 1) == shards_dir / ".staging-replica1"
     mine = ehs.staging_dir(args(str(ram)), shards_dir, 1)
     assert mine.parent == ram and mine != ram
+
+
+@pytest.mark.parametrize("extra, message", [
+    (("--batch-size", "0"), "--batch-size 0: must be >= 1"),
+    (("--replica", "2", "--replicas", "2"), "need 0 <= replica < replicas"),
+    (("--connector-threads", "0"), "--connector-threads 0: must be >= 1"),
+    (("--writer-pool", "fibers"), "invalid choice: 'fibers'"),
+])
+def test_bad_arguments_are_refused_before_any_work(tmp_path, tiny_llama, capsys, extra, message):
+    with pytest.raises(SystemExit) as e:
+        cli(tmp_path, tiny_llama, *extra)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "hs").exists()

@@ -21,7 +21,6 @@ import shutil
 import sys
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,9 +43,6 @@ DISK_RESERVE = 1 << 30
 MAX_WRITERS = 8
 WRITER_MEMORY = 32 << 30
 RAM_DISK = Path("/dev/shm")
-# what a writer process imports when it starts, not in its first job
-WRITER_IMPORTS = {"hf": (), "vllm": ("eaglepipe.extract_vllm",
-                                     "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector")}
 
 
 def log(msg: str) -> None:
@@ -323,6 +319,8 @@ def parse_args(argv=None):
         ap.error(f"--staging-dir {args.staging_dir}: no such directory")
     if args.batch_size < 1:
         ap.error(f"--batch-size {args.batch_size}: must be >= 1")
+    if args.connector_threads is not None and args.connector_threads < 1:
+        ap.error(f"--connector-threads {args.connector_threads}: must be >= 1")
     return args
 
 
@@ -465,7 +463,9 @@ def main(argv=None) -> None:
     if todo:
         pool_kind = args.writer_pool if args.writer_pool != "auto" else \
             "processes" if args.backend == "vllm" else "threads"
-        imports = WRITER_IMPORTS[args.backend] if pool_kind == "processes" else ()
+        imports = ()
+        if args.backend == "vllm" and pool_kind == "processes":
+            from .extract_vllm import WRITER_IMPORTS as imports
         with make_pool(pool_kind, writers, imports) as pool:
             t0 = time.perf_counter()  # writer processes start while the model loads
             backend = load_backend(args, layer_ids, N, staging)

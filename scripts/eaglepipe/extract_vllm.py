@@ -56,7 +56,7 @@ class VLLMExtractor:
             kv_transfer_config={
                 "kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
                 "kv_connector_extra_config": {"shared_storage_path": str(self.staging)} | (
-                    {"num_writer_threads": connector_threads} if connector_threads else {}),
+                    {"num_writer_threads": connector_threads} if connector_threads is not None else {}),
             },
         )
         self.params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
@@ -120,6 +120,10 @@ def stream_requests(llm, params, batches: Iterable[tuple[object, list[list[int]]
             if all(paths):
                 del unfinished[b]
                 yield key, paths
+
+
+# what a writer process imports when it starts rather than in its first job (vLLM's import is slow)
+WRITER_IMPORTS = (__name__, "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector")
 
 
 def load_files(paths: list[str]) -> list[tuple[torch.Tensor, list[int]]]:

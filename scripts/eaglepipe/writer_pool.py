@@ -27,7 +27,8 @@ def make_pool(kind: str, writers: int, imports: tuple[str, ...] = ()) -> Executo
         return ThreadPoolExecutor(writers)
     if kind != "processes":
         raise ValueError(f"writer pool {kind!r}: expected one of {POOLS}")
-    threads = max(1, (os.cpu_count() or 1) // writers)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = max(1, cores // writers)
     # spawn: a fork of a process whose OpenMP pool or CUDA context is running can deadlock
     pool = ProcessPoolExecutor(writers, multiprocessing.get_context("spawn"), initializer=_start_writer,
                                initargs=(os.getpid(), threads, imports))
