@@ -236,8 +236,8 @@ def main() -> None:
     for name, r in rows.items():
         if "backend_s" in r:
             print(f"{name:<38} {r['seconds']:>6.1f} {r['backend_s']:>8.1f} {r['writers_wait_s']:>6.1f} "
-                  f"{r['tail_s']:>6.1f}  {r['writers']} {r.get('writer_pool', 'threads')}, {r.get('writers_load_s', float('nan')):.1f}, "
-                  f"{r.get('writers_write_s', float('nan')):.1f}")
+                  f"{r['tail_s']:>6.1f}  {r['writers']} {r['writer_pool']}, {r['writers_load_s']:.1f}, "
+                  f"{r['writers_write_s']:.1f}")
     print("BENCH " + json.dumps(res), flush=True)
 
 
