@@ -461,11 +461,11 @@ def main(argv=None) -> None:
     load_s = 0.0
     progress = {"tokens": 0, "seconds": 0.0, "tokens_per_s": 0.0}
     if todo:
+        imports = ()  # what writer processes import at start (a thread pool has none to do)
+        if args.backend == "vllm":
+            from .extract_vllm import WRITER_IMPORTS as imports
         pool_kind = args.writer_pool if args.writer_pool != "auto" else \
             "processes" if args.backend == "vllm" else "threads"
-        imports = ()
-        if args.backend == "vllm" and pool_kind == "processes":
-            from .extract_vllm import WRITER_IMPORTS as imports
         with make_pool(pool_kind, writers, imports) as pool:
             t0 = time.perf_counter()  # writer processes start while the model loads
             backend = load_backend(args, layer_ids, N, staging)
