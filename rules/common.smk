@@ -20,8 +20,15 @@ if _errors:
 validate(config, "../config/config.schema.yaml")
 
 PKG = REPO / "scripts" / "eaglepipe"
-# Relative to the working directory, so moving the checkout does not change any param.
-PYTHONPATH = os.path.relpath(REPO / "scripts")
+# The command prefix of every stage. scripts/ (relative to the working directory, so moving the
+# checkout changes no command) goes in front of the caller's PYTHONPATH instead of replacing it:
+# packages installed with `pip install --target DIR` + PYTHONPATH=DIR stay visible to the stages.
+# Doubled braces: Snakemake formats the shell command once more.
+STAGE_ENV = (
+    f"PYTHONPATH={os.path.relpath(REPO / 'scripts')}${{{{PYTHONPATH:+:$PYTHONPATH}}}}"
+)
+# `exec` so that signals reach Python; a rule appends `.<module> <arguments>`.
+STAGE = f"{STAGE_ENV} exec python -m eaglepipe"
 
 
 wildcard_constraints:

@@ -13,11 +13,11 @@ if config["target"]["build"]:
             "../envs/eaglepipe.yaml"
         threads: 2
         params:
-            pythonpath=PYTHONPATH,
             recipe=config["target"]["build"],
             code=code_digest("build_target"),
         shell:
-            "PYTHONPATH={params.pythonpath} exec python -m eaglepipe.build_target --recipe {params.recipe} --out {output} > {log} 2>&1"
+            f"{STAGE}.build_target "
+            "--recipe {params.recipe} --out {output} > {log} 2>&1"
 
 
 rule prepare_data:
@@ -41,7 +41,6 @@ rule prepare_data:
         "../envs/eaglepipe.yaml"
     threads: 2
     params:
-        pythonpath=PYTHONPATH,
         data=config["data"]["path"],
         model=target_arg,
         max_samples=config["data"]["max_samples"] or 0,
@@ -54,7 +53,8 @@ rule prepare_data:
         outdir=lambda wc, output: os.path.dirname(output.train),
         code=code_digest("prepare_data"),
     shell:
-        "PYTHONPATH={params.pythonpath} exec python -m eaglepipe.prepare_data --data {params.data} --model {params.model} {params.revision} "
+        f"{STAGE}.prepare_data "
+        "--data {params.data} --model {params.model} {params.revision} "
         "{params.trust} --out-dir {params.outdir} --max-samples {params.max_samples} "
         "--max-length {params.max_length} --too-long {params.too_long} "
         "--eval-fraction {params.eval_fraction} --seed {params.seed} > {log} 2>&1"
@@ -70,9 +70,9 @@ rule vocab_mapping:
     conda:
         "../envs/eaglepipe.yaml"
     params:
-        pythonpath=PYTHONPATH,
         size=config["draft"]["vocab_size"],
         code=code_digest("vocab_mapping"),
     shell:
-        "PYTHONPATH={params.pythonpath} exec python -m eaglepipe.vocab_mapping --token-freq {input.token_freq} "
+        f"{STAGE}.vocab_mapping "
+        "--token-freq {input.token_freq} "
         "--draft-vocab-size {params.size} --out {output} > {log} 2>&1"

@@ -15,14 +15,14 @@ rule evaluate_offline:
         "../envs/eaglepipe.yaml"
     threads: 2
     params:
-        pythonpath=PYTHONPATH,
         model=target_arg,
         trust=trust_flag(),
         draft=lambda wc, input: os.path.dirname(input.draft),
         k=config["evaluate"]["k"] or config["train"]["ttt_steps"],
         code=code_digest("evaluate"),
     shell:
-        "PYTHONPATH={params.pythonpath} exec python -m eaglepipe.evaluate --draft {params.draft} --manifest {input.manifest} "
+        f"{STAGE}.evaluate "
+        "--draft {params.draft} --manifest {input.manifest} "
         "--split eval --model {params.model} {params.trust} --k {params.k} "
         "--out {output} > {log} 2>&1"
 
@@ -49,10 +49,10 @@ rule plot_report:
     conda:
         "../envs/eaglepipe.yaml"
     params:
-        pythonpath=PYTHONPATH,
         code=code_digest("plots"),
     shell:
-        "PYTHONPATH={params.pythonpath} exec python -m eaglepipe.plots --metrics {input.metrics} --stats {input.stats} "
+        f"{STAGE}.plots "
+        "--metrics {input.metrics} --stats {input.stats} "
         "--manifest {input.manifest} --offline {input.offline} "
         "--training-out {output.training} --data-out {output.data} > {log} 2>&1"
 
@@ -76,7 +76,6 @@ rule benchmark_serving:
     resources:
         gpu=config["extract"]["tensor_parallel_size"],
     params:
-        pythonpath=PYTHONPATH,
         model=target_arg,
         trust=trust_flag(),
         draft=lambda wc, input: os.path.dirname(input.draft),
@@ -86,7 +85,8 @@ rule benchmark_serving:
         max_tokens=config["benchmark_serving"]["max_tokens"],
         code=code_digest("benchmark_serving"),
     shell:
-        "PYTHONPATH={params.pythonpath} exec python -m eaglepipe.benchmark_serving --model {params.model} {params.trust} "
+        f"{STAGE}.benchmark_serving "
+        "--model {params.model} {params.trust} "
         "--draft {params.draft} --prompts {input.eval} --num-prompts {params.n} "
         "--max-tokens {params.max_tokens} --k {params.k} --tensor-parallel-size {params.tp} "
         "--out {output} > {log} 2>&1"

@@ -11,7 +11,6 @@ rule export_draft:
     conda:
         "../envs/eaglepipe.yaml"
     params:
-        pythonpath=PYTHONPATH,
         which=config["export"]["which"],
         verifier=config["target"]["deploy_name"] or config["target"]["model"],
         k=num_speculative_tokens(),
@@ -23,6 +22,7 @@ rule export_draft:
         outdir=lambda wc, output: os.path.dirname(output.config),
         code=code_digest("export_draft"),
     shell:
-        "PYTHONPATH={params.pythonpath} exec python -m eaglepipe.export_draft --summary {input.summary} --which {params.which} "
+        f"{STAGE}.export_draft "
+        "--summary {input.summary} --which {params.which} "
         "--verifier-name '{params.verifier}' --num-speculative-tokens {params.k} {params.drop} "
         "--out-dir {params.outdir} > {log} 2>&1"

@@ -21,7 +21,6 @@ rule extract_hidden_states:
     resources:
         gpu=extract_gpus(),
     params:
-        pythonpath=PYTHONPATH,
         model=target_arg,
         revision=revision_flag(),
         trust=trust_flag(),
@@ -41,7 +40,8 @@ rule extract_hidden_states:
         ),
         code=code_digest("extract_hidden_states"),
     shell:
-        "PYTHONPATH={params.pythonpath} exec python -m eaglepipe.extract_hidden_states --train {input.train} --eval {input.eval} "
+        f"{STAGE}.extract_hidden_states "
+        "--train {input.train} --eval {input.eval} "
         "--model {params.model} {params.revision} {params.trust} --backend {params.backend} "
         "--device {params.device} --tensor-parallel-size {params.tp} --layer-ids {params.layer_ids} "
         "--batch-size {params.batch_size} --storage-dtype {params.storage} --dtype {params.dtype} "
@@ -60,7 +60,6 @@ rule gather_hidden_states:
     conda:
         "../envs/eaglepipe.yaml"
     params:
-        pythonpath=PYTHONPATH,
         code=code_digest("gather_manifest"),
     shell:
-        "PYTHONPATH={params.pythonpath} exec python -m eaglepipe.gather_manifest --out {output.manifest} {input} > {log} 2>&1"
+        f"{STAGE}.gather_manifest " "--out {output.manifest} {input} > {log} 2>&1"

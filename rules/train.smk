@@ -18,7 +18,6 @@ rule train_draft:
     resources:
         gpu=config["train"]["gpus"],
     params:
-        pythonpath=PYTHONPATH,
         model=target_arg,
         trust=trust_flag(),
         ttt=config["train"]["ttt_steps"],
@@ -40,7 +39,7 @@ rule train_draft:
         outdir=lambda wc, output: os.path.dirname(output.summary),
         code=code_digest("train_draft"),
     shell:
-        "PYTHONPATH={params.pythonpath} exec {params.launcher} eaglepipe.train_draft "
+        f"{STAGE_ENV} exec {{params.launcher}} eaglepipe.train_draft "
         "--manifest {input.manifest} --vocab {input.vocab} --model {params.model} {params.trust} "
         "--out-dir {params.outdir} --ttt-steps {params.ttt} --ttt-step-loss-decay {params.decay} "
         "--lr {params.lr} --weight-decay {params.wd} --warmup-steps {params.warmup} "

@@ -29,9 +29,21 @@ def tiny_config(target: Path, chats: Path) -> dict:
     }
 
 
+# On the caller's PYTHONPATH only: every stage interpreter that sees it records its module.
+SITECUSTOMIZE = """
+import atexit, os, sys
+def _record():
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    with open(os.path.join(os.path.dirname(__file__), "stages.txt"), "a") as f:
+        f.write((spec.name if spec else "?") + "\\n")
+atexit.register(_record)
+"""
+
+
 @pytest.fixture(scope="module")
 def done_run(tmp_path_factory):
-    """A finished tiny end-to-end run in a copy of the workflow."""
+    """A finished tiny end-to-end run in a copy of the workflow, started with a PYTHONPATH of
+    the caller's own (as `pip install --target DIR` users have)."""
     ws = copy_workflow(tmp_path_factory.mktemp("ws"))
     target = tiny.make_llama(ws / "target")
     chats = tiny.make_chats(ws / "chats.jsonl", n=24)
@@ -39,8 +51,19 @@ def done_run(tmp_path_factory):
     jobs, reasons, _ = dry_run(ws)
     assert set(jobs) == STAGES, jobs
     assert set(reasons["output files have to be generated"]) == STAGES - {"all"}
-    snakemake(ws)
+    callers = tmp_path_factory.mktemp("callers_site")
+    (callers / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    snakemake(ws, pythonpath=str(callers))
+    (ws / "callers_stages.txt").write_text((callers / "stages.txt").read_text())
     return ws
+
+
+def test_stages_keep_the_callers_pythonpath(done_run):
+    seen = set((done_run / "callers_stages.txt").read_text().split())
+    stages = {f"eaglepipe.{m}" for m in ("prepare_data", "vocab_mapping", "extract_hidden_states",
+                                          "gather_manifest", "train_draft", "export_draft",
+                                          "evaluate", "plots")}
+    assert stages <= seen, seen
 
 
 def test_end_to_end_outputs(done_run):

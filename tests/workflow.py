@@ -29,10 +29,15 @@ def write_config(ws: Path, cfg: dict) -> None:
     (ws / "config" / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
 
 
-def snakemake(ws: Path, *args: str, check: bool = True, timeout: int = 1500) -> subprocess.CompletedProcess:
+def snakemake(ws: Path, *args: str, check: bool = True, timeout: int = 1500,
+              pythonpath: str | None = None) -> subprocess.CompletedProcess:
+    """Run Snakemake in ``ws``; ``pythonpath``: the caller's PYTHONPATH (none by default: the
+    rules put the workflow copy's scripts/ first, so the checkout's own is never needed)."""
     env = dict(os.environ)
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
-    env.pop("PYTHONPATH", None)  # the rules set it to the workflow copy's scripts/
+    env.pop("PYTHONPATH", None)
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
     cmd = [sys.executable, "-m", "snakemake", "--snakefile", str(ws / "Snakefile"), "--directory", str(ws),
            "--workflow-profile", "none", "--cores", "2", *args]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
