@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 import tiny
@@ -169,6 +170,24 @@ def test_slurm_outputs_equal_a_local_run(runs):
                         local / "results/tiny/draft/model.safetensors")
     assert (json.loads((cluster / "results/tiny/eval/offline.json").read_text())["acceptance_length"]
             == json.loads((local / "results/tiny/eval/offline.json").read_text())["acceptance_length"])
+
+
+def test_gpu_extraction_asks_the_gpu_partition_for_tp_gpus(runs, tmp_path):
+    """A vLLM config: each replica's sbatch asks the GPU partition for TP GPUs. The CI cluster
+    has no GPUs, so sbatch (after parsing the options) refuses, and the plugin shows its call."""
+    _, cluster, _ = runs
+    ws = tmp_path / "ws"
+    shutil.copytree(cluster, ws, symlinks=True)
+    cfg = yaml.safe_load((ws / "config/config.yaml").read_text())
+    cfg["extract"].update(backend="vllm", tensor_parallel_size=8)
+    write_config(ws, cfg)
+    p = snakemake(ws, *SLURM, f"results/tiny/hidden_states/parts/replica-0-of-{REPLICAS}.json", check=False)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0
+    call = re.search(r"sbatch call:\s+(sbatch .*)", out).group(1)
+    for option in ("-p gpu", "--nodes=1", "--gpus=8", "--cpus-per-gpu=8", "--mem-per-cpu 12000", "-t 1440"):
+        assert f" {option} " in call, (option, call)
+    assert "Invalid generic resource (gres) specification" in out
 
 
 def test_cancelled_training_job_resumes(runs, tmp_path):
