@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # CI: install and start a one-node SLURM cluster on localhost (root only) for tests/test_slurm.py.
 # Debian's packages: slurmctld + slurmd (the cluster), munge (its authentication), slurmdbd +
-# MariaDB (job accounting: the executor plugin and the test read job states from `sacct`, which
-# needs slurmdbd; without it sacct only answers "accounting storage is disabled").
+# MariaDB (job accounting: the test reads which jobs ran from `sacct`, which needs slurmdbd;
+# without it sacct only answers "accounting storage is disabled").
 # Exit 0: the cluster is up, or the packages could not be installed (then the reason is printed
 # and written to $SLURM_UNAVAILABLE_FILE, which the test reports as its skip reason).
 # Any other failure (a daemon that does not start) fails CI.
@@ -35,6 +35,7 @@ else
         tail -20 "$log" >&2
         unavailable "apt-get install ${PACKAGES[*]} failed: $(grep -E '^(E|Err):' "$log" | head -3 | tr '\n' ' ')"
     fi
+    echo "installed ${PACKAGES[*]}: $(grep -E '^[0-9]+ upgraded' "$log")"
 fi
 
 # The node describes this machine; slurmd checks CPUs and memory against the hardware.
@@ -60,6 +61,8 @@ ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 MpiDefault=none
 ReturnToService=2
+# (the default) squeue, the profile's status command, shows a finished job for this long
+MinJobAge=300
 SchedulerType=sched/backfill
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
