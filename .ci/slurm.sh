@@ -4,13 +4,13 @@
 # MariaDB (job accounting: the test reads which jobs ran from `sacct`, which needs slurmdbd;
 # without it sacct only answers "accounting storage is disabled").
 # Exit 0: the cluster is up, or the packages could not be installed (then the reason is printed
-# and written to $SLURM_UNAVAILABLE_FILE, which the test reports as its skip reason).
+# and written to $SLURM_UNAVAILABLE_FILE, which tests/test_slurm.py reports as its skip reason).
 # Any other failure (a daemon that does not start) fails CI.
 set -euo pipefail
 
 CLUSTER=eaglepipe-ci
 PARTITION=cpu
-SLURM_UNAVAILABLE_FILE=${SLURM_UNAVAILABLE_FILE:-/tmp/eaglepipe-slurm-unavailable}
+SLURM_UNAVAILABLE_FILE=/tmp/eaglepipe-slurm-unavailable
 PACKAGES=(slurmctld slurmd slurm-client slurmdbd munge mariadb-server)
 rm -f "$SLURM_UNAVAILABLE_FILE"
 

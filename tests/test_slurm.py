@@ -21,11 +21,11 @@ from safetensors.torch import load_file
 
 import tiny
 from test_workflow import tiny_config
-from workflow import REPO, copy_workflow, snakemake, write_config
+from workflow import REPO, copy_workflow, dry_run, snakemake, write_config
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
-# Written by .ci/slurm.sh when it cannot install the SLURM packages: the reason to report.
+# Written by .ci/slurm.sh when it cannot install the SLURM packages: the skip reason.
 UNAVAILABLE = Path("/tmp/eaglepipe-slurm-unavailable")
 PROFILE = REPO / "profiles" / "slurm"
 REPLICAS = 2
@@ -39,6 +39,7 @@ THREADS = ("--max-threads", "1")
 SLURM = ("--workflow-profile", str(PROFILE), "--slurm-init-seconds-before-status-checks", "2", *THREADS)
 SLURM_JOBS = Counter({"prepare_data": 1, "vocab_mapping": 1, "extract_hidden_states": REPLICAS,
                       "train_draft": 1, "export_draft": 1, "evaluate_offline": 1, "plot_report": 1})
+# per Snakemake run: one that hangs (a job state the plugin does not recognise) fails the test
 TIMEOUT = 900
 
 
@@ -128,12 +129,10 @@ def test_dry_run_shows_the_plan(tmp_path, data):
     """`snakemake -n` with the profile lists the jobs with the profile's resources; it needs no
     cluster and submits nothing."""
     ws = workspace(tmp_path, data)
+    jobs, _, _ = dry_run(ws, *SLURM)
+    assert jobs == {**SLURM_JOBS, "gather_hidden_states": 1, "all": 1}
     p = snakemake(ws, "-n", *SLURM)
-    out = p.stdout + p.stderr
-    stats = dict(re.findall(r"^(\w+)\s+(\d+)$", out[out.index("Job stats:"):], re.M))
-    assert {k: int(v) for k, v in stats.items() if k != "total"} == {
-        **SLURM_JOBS, "gather_hidden_states": 1, "all": 1}
-    extraction = [block for block in out.split("\n\n") if "rule extract_hidden_states:" in block]
+    extraction = [block for block in p.stdout.split("\n\n") if "rule extract_hidden_states:" in block]
     assert len(extraction) == REPLICAS
     assert all("runtime=1440" in block and "mem_mb_per_cpu=12000" in block for block in extraction)
     assert not (ws / ".snakemake" / "slurm_logs").exists()
