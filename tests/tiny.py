@@ -331,3 +331,42 @@ def make_tokenized(path: str | Path, n: int, vocab: int, lengths: tuple[int, int
             f.write(json.dumps({"id": f"{prefix}{i}", "input_ids": [rng.randrange(vocab) for _ in range(t)],
                                 "loss_mask": [rng.randint(0, 1) for _ in range(t)]}) + "\n")
     return Path(path)
+
+
+TOOL_SPEC = {"type": "function", "function": {"name": "lookup", "description": "look a word up",
+                                              "parameters": {"type": "object", "properties": {"word": {"type": "string"}}}}}
+
+
+def make_thinking_chats(path: str | Path, n: int = 40, seed: int = 0) -> Path:
+    """A JSONL of agentic chats as thinking models export them: 1-3 exchanges, assistant reasoning as
+    ``reasoning_content`` or an inline ``<think>`` block (some turns without), every third chat a tool
+    call (assistant ``tool_calls`` with null content, a ``tool`` turn, the answer) with top-level ``tools``."""
+    rng = random.Random(seed)
+    lines = corpus(n * 12, seed=seed)
+
+    def say(k):
+        return " ".join(rng.choice(lines) for _ in range(k))
+
+    with open(path, "w") as f:
+        for i in range(n):
+            rec = {"id": f"t{i}", "messages": [{"role": "system", "content": "you are a good help."}] if i % 4 == 0 else []}
+            for j in range(rng.randint(1, 3)):
+                rec["messages"].append({"role": "user", "content": say(1)})
+                thought, answer = say(rng.randint(1, 3)), say(rng.randint(1, 2))
+                if i % 3 == 0 and j == 0:
+                    rec["tools"] = [TOOL_SPEC]
+                    rec["messages"] += [
+                        {"role": "assistant", "content": None, "reasoning_content": thought, "tool_calls": [
+                            {"id": f"functions.lookup:{j}", "type": "function",
+                             "function": {"name": "lookup", "arguments": json.dumps({"word": rng.choice(WORDS)})}}]},
+                        {"role": "tool", "tool_call_id": f"functions.lookup:{j}", "content": say(1)}]
+                    thought = say(1)
+                style = rng.random()
+                if style < 0.5:
+                    rec["messages"].append({"role": "assistant", "content": answer, "reasoning_content": thought})
+                elif style < 0.8:
+                    rec["messages"].append({"role": "assistant", "content": f"<think>{thought}</think>{answer}"})
+                else:
+                    rec["messages"].append({"role": "assistant", "content": answer})
+            f.write(json.dumps(rec) + "\n")
+    return Path(path)

@@ -86,12 +86,12 @@ class AssistantCounts:
             "turns_in_data": self.turns_in_data,
             "turns_trained": self.turns_trained,
             "turns_trained_as_own_sample": self.own_sample_turns,
-            "turns_not_trained_by_reason": dict(self.turns_by_reason.most_common()),
+            "turns_not_trained_by_reason": dict((+self.turns_by_reason).most_common()),  # + drops zero counts
             "tokens_in_data": in_data,
             "tokens_trained": trained,
             "tokens_trained_thinking": self.trained_by_kind["thinking"],
             "tokens_trained_answer": self.trained_by_kind["answer"],
-            "tokens_not_trained_by_reason": dict(self.tokens_by_reason.most_common()),
+            "tokens_not_trained_by_reason": dict((+self.tokens_by_reason).most_common()),
             "trained_share": trained / in_data if in_data else 0.0,
         }
 
