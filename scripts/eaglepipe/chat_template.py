@@ -128,6 +128,7 @@ def turn_text(message: dict) -> str:
 class _Located(NamedTuple):
     turn: int
     text: str  # the rendering through the turn
+    prompt_end: int  # text[:prompt_end] is the prompt of the turn
     start: int
     think_end: int  # == start when the turn has no rendered reasoning
     end: int
@@ -156,7 +157,7 @@ def _locate(template: ChatTemplate, messages, tools, i, untrained_tokens) -> _Lo
             untrained_tokens["reasoning_not_rendered"] += template.count_tokens(reasoning)
         else:
             think_end = at + len(reasoning)
-    return _Located(i, through, start, think_end, end)
+    return _Located(i, through, len(head), start, think_end, end)
 
 
 def _token_parts(tokenizer, text: str, spans: list[tuple[int, int, int]]) -> tuple[list[int], list[int]]:
@@ -198,8 +199,7 @@ def encode_chat(template: ChatTemplate, messages: list[dict], tools=None,
                 untrained_tokens[loc] += template.count_tokens(turn_text(m))
                 continue
             if template.served is not None:
-                mismatches += (template.render(messages[:i], tools, True)[0]
-                               != template.render(messages[:i], tools, True, template.served)[0])
+                mismatches += loc.text[: loc.prompt_end] != template.render(messages[:i], tools, True, template.served)[0]
             if full.startswith(loc.text):
                 in_full.append(loc)
             elif rerendered == "own_sample":
