@@ -101,8 +101,10 @@ def test_unknown_package_missing_file_and_other_forms_are_clear_errors(tmp_path)
 
 def test_non_utf8_line_is_a_skip_named_by_its_line(tmp_path):
     p = tmp_path / "latin1.jsonl"
-    good = json.dumps({"id": "a", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]})
-    p.write_bytes(good.encode() + b"\n" + '{"id": "b", "messages": "caf\u00e9"}'.encode("latin-1") + b"\n" + good.replace('"a"', '"c"').encode() + b"\n")
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    latin1 = '{"id": "b", "messages": "caf\u00e9"}'.encode("latin-1")
+    p.write_bytes(b"\n".join([json.dumps({"id": "a", "messages": messages}).encode(), latin1,
+                              json.dumps({"id": "c", "messages": messages}).encode()]) + b"\n")
     chats, skips = chats_and_skips(p)
     assert [c.id for c in chats] == ["a", "c"]
     assert [(s.source, s.reason) for s in skips] == [(f"{p}:2", "not_utf8")]

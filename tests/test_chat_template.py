@@ -355,3 +355,18 @@ def test_override_file_prompts_are_compared_with_the_tokenizer_template(family_d
     other.write_text(same.read_text().replace("{{ '\\n' }}{% endfor %}", "{{ '\\n\\n' }}{% endfor %}"))
     assert other.read_text() != same.read_text()
     assert encode(tok, TURNS, str(other)).prompt_mismatches == 3
+
+
+def test_slow_tokenizer_gives_the_same_samples_with_thinking(family_dirs, monkeypatch):
+    tok = AutoTokenizer.from_pretrained(str(family_dirs["kimi-k2.5"]))
+    messages = chat(*THINK)
+    fast = encode(tok, messages, str(tiny.KIMI_TRAIN_TEMPLATE))
+    monkeypatch.setattr(type(tok), "is_fast", property(lambda self: False))
+    slow = encode(tok, messages, str(tiny.KIMI_TRAIN_TEMPLATE))
+    assert [(s.input_ids, s.loss_mask) for s in slow.samples] == [(s.input_ids, s.loss_mask) for s in fast.samples]
+
+    def thinking(enc):
+        return [sum(enc.parts[p].kind == "thinking" for p in s.token_parts if p >= 0) for s in enc.samples]
+
+    # without offsets, a token straddling the reasoning's end counts as answer
+    assert all(0 <= f - s <= 1 for f, s in zip(thinking(fast), thinking(slow))) and min(thinking(slow)) > 0

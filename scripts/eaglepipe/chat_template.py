@@ -169,13 +169,27 @@ def _token_parts(tokenizer, text: str, spans: list[tuple[int, int, int]]) -> tup
             owner[s:e] = [part] * (e - s)
         # a token straddling a span edge carries assistant text, so it is marked
         return enc["input_ids"], [next((p for p in owner[s:e] if p >= 0), -1) for s, e in enc["offset_mapping"]]
-    # slow tokenizers have no offsets: tokenize the pieces between span edges and check they add up
+    # slow tokenizers have no offsets: tokenize the text between turn edges and check the pieces add
+    # up. Within a turn (spans that touch: thinking, answer) the tokens of the first span's text come
+    # first; a token straddling the edge between them is counted with the later span.
+    turns = []
+    for s, e, part in spans:
+        if turns and turns[-1][1] == s:
+            turns[-1][1] = e
+            turns[-1][2].append((s, e, part))
+        else:
+            turns.append([s, e, [(s, e, part)]])
     ids, parts, pos = [], [], 0
-    for s, e, part in spans + [(len(text), len(text), -1)]:
-        for a, b, p in ((pos, s, -1), (s, e, part)):
-            piece = tokenizer.encode(text[a:b], add_special_tokens=False) if b > a else []
-            ids += piece
-            parts += [p] * len(piece)
+    for s, e, inner in turns + [[len(text), len(text), []]]:
+        gap = tokenizer.encode(text[pos:s], add_special_tokens=False) if s > pos else []
+        piece = tokenizer.encode(text[s:e], add_special_tokens=False) if e > s else []
+        labels = []
+        for a, b, part in inner[:-1]:
+            sub = tokenizer.encode(text[a:b], add_special_tokens=False)
+            labels += [part] * (len(sub) - (sub != piece[len(labels): len(labels) + len(sub)]))
+        labels += [inner[-1][2]] * (len(piece) - len(labels)) if inner else []
+        ids += gap + piece
+        parts += [-1] * len(gap) + labels
         pos = e
     if ids != tokenizer.encode(text, add_special_tokens=False):
         raise TemplateSkip("tokens_cross_turn_edges",
