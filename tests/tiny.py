@@ -28,8 +28,9 @@ def kimi_k25_template() -> str:
     return text.replace(_KIMI_TRAIN_RULE, "messages|length - 1")
 
 
-# Qwen3's official template (Qwen/Qwen3-8B tokenizer_config.json): thinking of the turns after the
-# last user query only, an empty think block on the last turn, tool calls as <tool_call> JSON
+# Qwen3's official template, written after Qwen/Qwen3-8B's tokenizer_config.json (revision 895c8d17):
+# thinking of the turns after the last user query only, an empty think block on the last turn, tool
+# calls as <tool_call> JSON
 QWEN3_TEMPLATE = """{%- if tools %}
     {{- '<|im_start|>system\\n' }}
     {%- if messages[0].role == 'system' %}
