@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from eaglepipe.chat_data import Chat, Skip, iter_chats
+from eaglepipe.chat_data import Chat, Skip, iter_chats, normalize
 
 
 def chats_and_skips(path, **kw):
@@ -141,6 +141,11 @@ def test_everything_a_template_can_render_is_kept(tmp_path):
     # reasoning_content, an inline think block and vLLM's "reasoning" all reach the template the same way
     assert [m for m in think.messages if m["role"] == "assistant"] == [
         {"role": "assistant", "content": "hello", "reasoning_content": REASONING}] * 3
+    # a block the prompt opened (DeepSeek-R1 style) too; a content without one is left alone
+    opened = normalize({"messages": [{"role": "assistant", "content": f"{REASONING}\n</think>hello"},
+                                     {"role": "assistant", "content": "a <think> b"}]}, "x:1", "x").messages
+    assert opened == [{"role": "assistant", "content": "hello", "reasoning_content": REASONING},
+                      {"role": "assistant", "content": "a <think> b"}]
     assert tools.tools == RICH[1]["tools"]
     assert tools.messages == [{**m, "content": m["content"] or ""} for m in RICH[1]["messages"]]
 

