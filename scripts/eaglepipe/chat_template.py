@@ -73,17 +73,13 @@ class Encoded(NamedTuple):
     prompt_mismatches: int  # turns whose prompt differs from the tokenizer's own template's
 
 
-def tokenizer_template(tokenizer) -> str | None:
-    return tokenizer.get_chat_template() if tokenizer.chat_template is not None else None
-
-
 class ChatTemplate:
     """The template a run trains with: the tokenizer's or an override file, with fixed kwargs."""
 
     def __init__(self, tokenizer, path: str | None = None, kwargs: dict | None = None):
         self.tokenizer = tokenizer
         self.kwargs = dict(kwargs or {})
-        own = tokenizer_template(tokenizer)
+        own = tokenizer.get_chat_template() if tokenizer.chat_template is not None else None
         if path:
             try:
                 self.text = Path(path).read_text()
