@@ -1,6 +1,8 @@
 import hashlib
+import json
 import os
 import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -9,6 +11,7 @@ from snakemake.utils import validate
 
 REPO = Path(workflow.basedir)
 sys.path.insert(0, str(REPO / "scripts"))
+from eaglepipe.atomic import sha256_file
 from eaglepipe.code_digest import code_digest as _code_digest
 from eaglepipe.config_check import coerce_cli_strings, config_errors, load_schema
 
@@ -61,6 +64,35 @@ def target_arg(wildcards, input):
 def data_input(wildcards=None):
     path = config["data"]["path"]
     return [] if path.startswith("package:") else path
+
+
+def chat_template_input(wildcards=None):
+    path = config["data"]["chat_template"]
+    if path and not Path(path).is_file():
+        raise WorkflowError(f"data.chat_template: template file {path} does not exist")
+    return path or []
+
+
+def chat_template_sha256():
+    """The override's content as a param: an edit reruns prepare_data even when the file's mtime does not
+    change it (a checkout can write an old mtime)."""
+    path = config["data"]["chat_template"]
+    return sha256_file(path) if path else None
+
+
+def chat_template_flags():
+    """The template override and kwargs as prepare_data takes them, shell-quoted (as params, a
+    change of either reruns prepare_data and what follows)."""
+    data = config["data"]
+    flags = ["--rerendered-turns", data["rerendered_turns"]]
+    if data["chat_template"]:
+        flags += ["--chat-template", data["chat_template"]]
+    if data["chat_template_kwargs"]:
+        flags += [
+            "--chat-template-kwargs",
+            json.dumps(data["chat_template_kwargs"], sort_keys=True),
+        ]
+    return " ".join(shlex.quote(f) for f in flags)
 
 
 def trust_flag():

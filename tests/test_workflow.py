@@ -104,6 +104,17 @@ def test_data_setting_reruns_from_tokenization(done_run):
     assert set(jobs) == STAGES
 
 
+def test_template_settings_rerun_from_tokenization(done_run):
+    jobs, reasons, _ = dry_run(done_run, "--config", 'data={"chat_template_kwargs": {"enable_thinking": false}}')
+    assert set(jobs) == STAGES and "prepare_data" in reasons["params have changed since last execution"]
+    template = done_run / "template.jinja"
+    template.write_text(tiny.CHATML_TEMPLATE)
+    jobs, _, _ = dry_run(done_run, "--config", f'data={{"chat_template": "{template}"}}')
+    assert set(jobs) == STAGES
+    jobs, _, _ = dry_run(done_run, "--config", 'data={"rerendered_turns": "context"}')
+    assert set(jobs) == STAGES
+
+
 def test_code_edit_reruns_that_stage_and_its_dependants(done_run):
     module = done_run / "scripts" / "eaglepipe" / "export_draft.py"
     original = module.read_text()
