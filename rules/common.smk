@@ -1,6 +1,7 @@
 import hashlib
 import os
 import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -29,6 +30,11 @@ STAGE_ENV = (
 )
 # `exec` so that signals reach Python; a rule appends `.<module> <arguments>`.
 STAGE = f"{STAGE_ENV} exec python -m eaglepipe"
+# In front of STAGE in the rules that start vLLM: its cache root (vllm/envs.py of vLLM 0.26.0),
+# where the torch.compile artifacts persist across runs.
+VLLM_ENV = "VLLM_CACHE_ROOT=" + shlex.quote(
+    config["vllm"]["cache_dir"] or f"results/{config['run_name']}/vllm-cache"
+)
 
 
 wildcard_constraints:
