@@ -89,5 +89,5 @@ case "${1:-}" in
   stage) shift; stage "$@" ;;
   start) start ;;
   status) shift; status "$@" ;;
-  *) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
+  *) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 2 ;;
 esac
