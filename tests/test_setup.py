@@ -4,6 +4,8 @@ against pyproject.toml's ranges, and the conda env files against what their rule
 from __future__ import annotations
 
 import ast
+import json
+import os
 import re
 import shlex
 import shutil
@@ -23,12 +25,14 @@ REPO = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 
 
-def setup_sh(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    """Run a copy of setup.sh (with the files it reads) in tmp_path, where no .venv exists."""
+def setup_sh(tmp_path: Path, *args: str, python: str | None = None) -> subprocess.CompletedProcess:
+    """Run a copy of setup.sh (with the files it reads) in tmp_path, where no .venv exists;
+    ``python``: the interpreter it is given through $PYTHON."""
     shutil.copy(REPO / "setup.sh", tmp_path / "setup.sh")
     shutil.copytree(REPO / "constraints", tmp_path / "constraints", dirs_exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHON"} | ({"PYTHON": python} if python else {})
     return subprocess.run(["bash", str(tmp_path / "setup.sh"), *args], capture_output=True, text=True,
-                          cwd=tmp_path)
+                          cwd=tmp_path, env=env)
 
 
 def planned(tmp_path: Path, *args: str) -> list[list[str]]:
@@ -103,6 +107,44 @@ def test_download_mode_resolves_for_the_target_python(tmp_path):
     assert len(downloads) == 2 and all("--no-deps" in c and "/w" in c for c in downloads)
     assert downloads[1][-1] == "vllm"
     assert not pip_installs([c for c in commands if c is not resolve])  # nothing is installed
+
+
+# Stands in for the interpreter: records each `-m pip` call instead of running it, and answers
+# the resolving call with the report given in $FAKE_REPORT; anything else runs in real Python.
+FAKE_PYTHON = """#!/usr/bin/env bash
+if [ "$1 $2" = "-m pip" ]; then
+  echo "$*" >> "$(dirname "$0")/pip-calls.txt"
+  while [ $# -gt 0 ]; do
+    if [ "$1" = --report ]; then mkdir -p "$(dirname "$2")"; cp "$FAKE_REPORT" "$2"; fi
+    shift
+  done
+  exit 0
+fi
+exec "$REAL_PYTHON" "$@"
+"""
+
+
+def test_download_mode_writes_the_resolved_pins_minus_the_excluded(tmp_path, monkeypatch):
+    report = {"install": [{"metadata": {"name": n, "version": v}} for n, v in [
+        ("torch", "2.11.0"), ("nvidia-cublas", "13.1.0"), ("nvidia_nccl_cu13", "2.28.9"), ("eaglepipe", "0.1.0"),
+        ("Snakemake", "9.27.1"), ("typing_extensions", "4.16.0"), ("torchvision", "0.26.0")]]}
+    (tmp_path / "report.json").write_text(json.dumps(report))
+    fake = tmp_path / "bin" / "python"
+    fake.parent.mkdir()
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    monkeypatch.setenv("FAKE_REPORT", str(tmp_path / "report.json"))
+    monkeypatch.setenv("REAL_PYTHON", sys.executable)
+    wheels = tmp_path / "wheels"
+    p = setup_sh(tmp_path, "--gpu", "--download-wheels", str(wheels), "--python-version", "3.12",
+                 "--exclude", "torch nvidia-*", python=str(fake))
+    assert p.returncode == 0, p.stdout + p.stderr
+    # eaglepipe itself and the excluded patterns (names compared in canonical form) are left out
+    assert (wheels / "requirements.txt").read_text() == "Snakemake==9.27.1\ntorchvision==0.26.0\ntyping_extensions==4.16.0\n"
+    calls = (fake.parent / "pip-calls.txt").read_text().splitlines()
+    assert [c.split()[2] for c in calls] == ["wheel", "install", "download", "download"]
+    assert f"-r {wheels}/requirements.txt" in calls[2] and calls[3].endswith("vllm")
+    assert not (wheels / ".resolve").exists()  # the report is not shipped with the wheels
 
 
 @pytest.mark.parametrize("args, message", [
