@@ -14,16 +14,18 @@
 #                            has, as shell globs (e.g. 'torch torchvision torchaudio triton nvidia-*')
 #   --print                  print the commands instead of running them
 set -euo pipefail
+caller=$PWD
 cd "$(dirname "$0")"
 
 usage() { awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit "${1:-0}"; }
+from_caller() { case "$1" in /*) echo "$1" ;; *) echo "$caller/$1" ;; esac; }  # a path as given
 host=cpu venv=1 wheels="" download="" pyver="" exclude="" print=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --gpu) host=gpu ;;
     --no-venv) venv=0 ;;
-    --wheels) wheels=${2:?--wheels needs a directory}; shift ;;
-    --download-wheels) download=${2:?--download-wheels needs a directory}; shift ;;
+    --wheels) wheels=$(from_caller "${2:?--wheels needs a directory}"); shift ;;
+    --download-wheels) download=$(from_caller "${2:?--download-wheels needs a directory}"); shift ;;
     --python-version) pyver=${2:?--python-version needs X.Y}; shift ;;
     --exclude) exclude=${2?--exclude needs patterns}; shift ;;
     --print) print=1 ;;

@@ -82,6 +82,10 @@ def test_wheel_directory_install_uses_no_index(tmp_path):
         assert cmd[i + 1:i + 3] == ["--find-links", str(wheels)]
     # no pip upgrade: the wheel directory need not hold a newer pip
     assert not any("--upgrade" in c for c in commands)
+    # a relative directory is the caller's, not setup.sh's
+    p = subprocess.run(["bash", str(REPO / "setup.sh"), "--print", "--gpu", "--wheels", "w"], capture_output=True,
+                       text=True, cwd=tmp_path)
+    assert f"--find-links {tmp_path}/w " in p.stdout, p.stdout + p.stderr
 
 
 def test_no_venv_installs_into_the_active_interpreter(tmp_path):
