@@ -11,7 +11,8 @@
 #   bash benchmarks/gpu_pipeline.sh start         on the device, from the repository root, once
 #       every part is in /tmp/stage: unpacks, `setup.sh --gpu --no-venv --wheels`, then starts
 #       `snakemake --cores all` on config/presets/smollm2-h200.yaml DETACHED (a call's 10-minute
-#       limit must not cut it), logging to results/gpu_pipeline.log.
+#       limit must not cut it), logging to results/gpu_pipeline.log. `start --no-setup` starts it
+#       in an environment set up otherwise (e.g. the wheels' requirements.txt installed --no-deps).
 #   bash benchmarks/gpu_pipeline.sh status [WAIT_S]   on the device: waits up to WAIT_S seconds
 #       (default 0) for the run to end, then prints its progress (last log lines, per-stage times)
 #       and copies the small results to $OUT. Calls back to back keep the machine held.
@@ -46,8 +47,10 @@ stage() {
 }
 
 start() {
-  [ -d "$STAGE/wheels" ] || cat "$STAGE"/bundle.tar.* | tar -xf - -C "$STAGE"
-  bash setup.sh --gpu --no-venv --wheels "$STAGE/wheels"
+  if [ "${1:-}" != --no-setup ]; then
+    [ -d "$STAGE/wheels" ] || cat "$STAGE"/bundle.tar.* | tar -xf - -C "$STAGE"
+    bash setup.sh --gpu --no-venv --wheels "$STAGE/wheels"
+  fi
   mkdir -p results
   if [ -f "$PIDFILE" ] && kill -0 "$(cat "$PIDFILE")" 2>/dev/null; then
     echo "already running (pid $(cat "$PIDFILE"))"; return
@@ -87,7 +90,7 @@ status() {
 
 case "${1:-}" in
   stage) shift; stage "$@" ;;
-  start) start ;;
+  start) shift; start "$@" ;;
   status) shift; status "$@" ;;
   *) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 2 ;;
 esac
