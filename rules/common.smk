@@ -32,6 +32,12 @@ STAGE_ENV = (
 )
 # `exec` so that signals reach Python; a rule appends `.<module> <arguments>`.
 STAGE = f"{STAGE_ENV} exec python -m eaglepipe"
+# In front of STAGE in the rules that start vLLM: its cache root (vllm/envs.py of vLLM 0.26.0),
+# where the torch.compile artifacts persist across runs.
+VLLM_CACHE_ROOT = (
+    config["vllm"]["cache_dir"] or f"results/{config['run_name']}/vllm-cache"
+)
+VLLM_ENV = f"VLLM_CACHE_ROOT={shlex.quote(VLLM_CACHE_ROOT)}"
 
 
 wildcard_constraints:

@@ -85,7 +85,7 @@ rule benchmark_serving:
         max_tokens=config["benchmark_serving"]["max_tokens"],
         code=code_digest("benchmark_serving"),
     shell:
-        f"{STAGE}.benchmark_serving "
+        f"{VLLM_ENV} {STAGE}.benchmark_serving "
         "--model {params.model} {params.trust} "
         "--draft {params.draft} --prompts {input.eval} --num-prompts {params.n} "
         "--max-tokens {params.max_tokens} --k {params.k} --tensor-parallel-size {params.tp} "

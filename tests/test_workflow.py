@@ -176,3 +176,27 @@ def test_snakefmt_is_clean():
     p = subprocess.run([sys.executable, "-m", "snakefmt", "--check", "Snakefile", "rules"],
                        capture_output=True, text=True, cwd=REPO)
     assert p.returncode == 0, p.stdout + p.stderr
+
+
+def test_h200_preset_dry_run_plans_every_stage_on_one_gpu(tmp_path):
+    ws = copy_workflow(tmp_path)
+    p = snakemake(ws, "-n", "-p", "--configfile", str(REPO / "config/presets/smollm2-h200.yaml"))
+    out = p.stdout + p.stderr
+
+    def block(rule: str) -> str:
+        b = out[out.index(f"rule {rule}:"):]
+        return b[: b.index("\n\n")]
+
+    assert "--recipe smollm2-gguf" in block("build_target")  # SmolLM2 built, as in the default
+    assert "--max-samples 6000" in block("prepare_data") and "--max-length 1024" in block("prepare_data")
+    extract = block("extract_hidden_states")
+    assert out.count("rule extract_hidden_states:") == 1 and "gpu=1" in extract
+    for flag in ("VLLM_CACHE_ROOT=results/smollm2-h200/vllm-cache ", "--backend vllm",
+                 "--tensor-parallel-size 1", "--max-model-len 2048"):
+        assert flag in extract, (flag, extract)
+    train = block("train_draft")
+    assert "gpu=1" in train and "exec python -m eaglepipe.train_draft" in train
+    for flag in ("--max-steps 1000", "--batch-tokens 8192", "--lr 0.001", "--warmup-steps 50"):
+        assert flag in train, (flag, train)
+    assert "VLLM_CACHE_ROOT=results/smollm2-h200/vllm-cache " in block("benchmark_serving")
+    assert "--draft-vocab-size 16384" in block("vocab_mapping")
