@@ -8,12 +8,17 @@ import math
 
 import pytest
 import torch
+from speculators.losses import resolve_loss_config
 from test_evaluate import export_like
 from test_packed_data import make_run
 
 from eaglepipe import evaluate
-from eaglepipe.acceptance import walk_counts
+from eaglepipe.acceptance import replay_walk, walk_counts
+from eaglepipe.draft_model import load_draft, load_target_head
+from eaglepipe.packed_data import PackedRows
 from eaglepipe.parity import compare, report, tolerance
+from eaglepipe.shards import load_manifest
+from eaglepipe.train_draft import LOSS_IMPLEMENTATION
 
 
 def chains(T: int, K: int, hits: dict[int, list[int]], mask: list[int], doc: list[int], cut_at: dict[int, int] = None):
@@ -90,7 +95,8 @@ def test_compare_flags_a_replay_off_the_served_text():
 
 
 def test_compare_without_drafts_fails():
-    r = compare({"drafts": 0, "accepted_per_pos": [0], "cut": 0, "tail": 0}, {"drafts": 10, "accepted_per_pos": [3]}, 3.0)
+    r = compare({"drafts": 0, "accepted_per_pos": [0], "cut": 0, "tail": 0},
+                {"drafts": 10, "accepted_per_pos": [3]}, 3.0)
     assert not r["agree"] and "no drafts" in report(r)
 
 
@@ -113,17 +119,10 @@ def run_parity(run, draft, tiny_llama, serving, out, k=2):
 
 def test_evaluate_parity_agrees_with_matching_counters_and_fails_otherwise(parity_run, tiny_llama, tmp_path):
     run, draft = parity_run
-    from eaglepipe.acceptance import replay_walk
-    from eaglepipe.draft_model import load_draft, load_target_head
-    from eaglepipe.packed_data import PackedRows
-    from eaglepipe.shards import load_manifest
-    from speculators.losses import resolve_loss_config
-
-    from eaglepipe.train_draft import LOSS_IMPLEMENTATION
-
     model = load_draft(str(draft), str(tiny_llama))
     rows = PackedRows(load_manifest(run["manifest"]), "eval", evaluate.EVAL_BATCH_TOKENS, shuffle=False).once()
-    walk = replay_walk(model, rows, load_target_head(str(tiny_llama)), 2, resolve_loss_config("kl_div", LOSS_IMPLEMENTATION))
+    walk = replay_walk(model, rows, load_target_head(str(tiny_llama)), 2,
+                       resolve_loss_config("kl_div", LOSS_IMPLEMENTATION))
     # the greedy samples: the walk drafts from each sample's first scored position on, never cut
     assert walk["drafts"] > 0 and walk["cut"] == 0
     served = {"drafts": walk["drafts"], "accepted_per_pos": list(walk["accepted_per_pos"])}

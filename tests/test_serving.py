@@ -175,6 +175,9 @@ def test_sweep_rows_and_recommendation():
     assert json.loads(cmd[cmd.index("--speculative-config") + 1]) == {
         "model": "results/run/draft", "method": "eagle3", "num_speculative_tokens": 2}
     assert "--tensor-parallel-size 8" in recommend(rows, "m", "d", 8)["serve_command"]
+    # where no K beats the target alone there is no K to recommend
+    slow = [dict(r, speedup=0.9) if r["concurrency"] == 4 and r["k"] else r for r in rows]
+    assert recommend(slow, "m", "d", 1)["by_concurrency"] == {"1": 2, "4": None}
 
 
 def test_sweep_needs_the_baseline_at_every_concurrency():
@@ -192,7 +195,8 @@ def test_logit_ulp_and_threshold():
 
 
 def test_divergences_near_tie_and_flagged():
-    ref = {"0": {"tokens": [5, 6, 7], "top2": [[[5, 20.0], [9, 19.0]], [[6, 20.0], [8, 19.9375]], [[7, 3.0], [1, 2.0]]]},
+    ref = {"0": {"tokens": [5, 6, 7],
+                 "top2": [[[5, 20.0], [9, 19.0]], [[6, 20.0], [8, 19.9375]], [[7, 3.0], [1, 2.0]]]},
            "1": {"tokens": [4, 4], "top2": [[[4, 9.0], [2, 1.0]], [[4, 9.0], [2, 1.0]]]},
            "2": {"tokens": [1, 2], "top2": [[[1, 20.0], [3, 19.875]], [[2, 5.0], [0, 4.0]]]}}
     out = {"0": [5, 8, 1], "1": [4, 4], "2": [1, 9], "3": [0]}  # prompt 3 has no reference: not compared
@@ -248,6 +252,7 @@ def test_main_writes_serving_json_and_parity_samples(tmp_path, monkeypatch):
     assert [e["load_s"] for e in res["engines"]] == [30.0, 40.0, 40.0, 40.0]
     div = res["divergences"]
     assert div["points"]["k=2,c=1"]["near_ties"] == 1 and div["points"]["k=1,c=1"]["differing"] == 0
+    assert div["points"]["target,c=4"]["identical"] == 2
     assert [(f["point"], f["prompt"], f["position"]) for f in div["flagged"]] == [("k=3,c=1", 0, 2), ("k=3,c=4", 0, 2)]
     row = next(r for r in res["points"] if r["k"] == 3 and r["concurrency"] == 1)
     assert row["identical_outputs_fraction"] == 0.5 and row["not_near_ties"] == 1

@@ -251,7 +251,8 @@ def first_outputs(point: dict) -> dict[str, list[int]]:
     return out
 
 
-def summarize(settings: dict, prompts: list[list[int]], baseline: dict, speculative: dict[int, dict]) -> tuple[dict, list[dict]]:
+def summarize(settings: dict, prompts: list[list[int]], baseline: dict,
+              speculative: dict[int, dict]) -> tuple[dict, list[dict]]:
     """serving.json's content and the parity samples, from the engines' records."""
     rows = sweep_rows(baseline, speculative)
     divergences = {}
@@ -259,7 +260,7 @@ def summarize(settings: dict, prompts: list[list[int]], baseline: dict, speculat
         for c, point in engine["points"].items():
             d = explain_divergences(baseline["reference"], first_outputs(point), settings["dtype"],
                                     settings["near_tie_ulps"])
-            divergences[f"k={engine['k'] or 0},c={c}"] = d
+            divergences[f"{'target' if engine['k'] is None else 'k=' + str(engine['k'])},c={c}"] = d
             row = next(r for r in rows if r["k"] == engine["k"] and str(r["concurrency"]) == c)
             row.update(identical_outputs_fraction=d["identical_fraction"], differing_outputs=d["differing"],
                        near_ties=d["near_ties"], not_near_ties=d["not_near_ties"])
@@ -340,7 +341,8 @@ def main(argv: list[str] | None = None) -> None:
     from importlib.metadata import version
 
     prompts, skipped = load_prompts(a.prompts, a.num_prompts)
-    log(f"{len(prompts)} prompts ({sum(map(len, prompts)):,} tokens) from {a.prompts}; skipped {dict(skipped) or 'none'}")
+    log(f"{len(prompts)} prompts ({sum(map(len, prompts)):,} tokens) from {a.prompts}; "
+        f"skipped {dict(skipped) or 'none'}")
     settings = {"model": a.model, "serve_model": a.serve_model or a.model, "draft": a.draft,
                 "tensor_parallel_size": a.tensor_parallel_size, "trust_remote_code": a.trust_remote_code,
                 "dtype": a.dtype, "max_tokens": a.max_tokens, "concurrency": a.concurrency,

@@ -117,8 +117,9 @@ def serve_command(model: str, draft: str, k: int, tensor_parallel_size: int) -> 
 
 def recommend(rows: list[dict], model: str, draft: str, tensor_parallel_size: int) -> dict:
     """The K with the highest speedup at each concurrency (ties: the smaller K, it costs less draft
-    compute); ``k`` is the one at the lowest concurrency measured (1 by default), the case
-    speculative decoding is for."""
+    compute), null where no K is faster than the target alone; ``k`` is the best K at the lowest
+    concurrency measured (1 by default, the case speculative decoding is for), whatever its speedup,
+    with its serve command."""
     best: dict[int, dict] = {}
     for r in rows:
         if r["k"] is None:
@@ -129,7 +130,7 @@ def recommend(rows: list[dict], model: str, draft: str, tensor_parallel_size: in
     if not best:
         raise ValueError("no speculative point was measured")
     k = best[min(best)]["k"]
-    return {"by_concurrency": {str(c): best[c]["k"] for c in sorted(best)}, "k": k,
+    return {"by_concurrency": {str(c): best[c]["k"] if best[c]["speedup"] > 1 else None for c in sorted(best)}, "k": k,
             "serve_command": serve_command(model, draft, k, tensor_parallel_size)}
 
 
