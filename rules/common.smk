@@ -126,6 +126,27 @@ def num_speculative_tokens():
     return config["export"]["num_speculative_tokens"] or config["train"]["ttt_steps"]
 
 
+def parity_k():
+    """The K whose concurrency-1 serving window the parity check replays."""
+    bs = config["benchmark_serving"]
+    k = bs["parity"]["k"] or num_speculative_tokens()
+    if k not in bs["k"]:
+        raise WorkflowError(
+            f"benchmark_serving.parity.k (or the export's K) {k} is not among benchmark_serving.k {bs['k']}"
+        )
+    if 1 not in bs["concurrency"]:
+        raise WorkflowError(
+            f"benchmark_serving.concurrency {bs['concurrency']} must contain 1: the parity check "
+            "replays the concurrency-1 window"
+        )
+    return k
+
+
+def serving_list_arg(key):
+    """A benchmark_serving list as the CLI takes it: comma-separated."""
+    return ",".join(str(v) for v in config["benchmark_serving"][key])
+
+
 def replica_parts(wildcards):
     r = config["extract"]["replicas"]
     return expand(
@@ -145,5 +166,5 @@ def final_outputs():
         "report/data_stats.svg",
     ]
     if config["benchmark_serving"]["enabled"]:
-        out.append("eval/serving.json")
+        out += ["eval/serving.json", "eval/parity.json", "report/serving.svg"]
     return expand("results/{run}/{path}", run=config["run_name"], path=out)

@@ -200,3 +200,21 @@ def test_h200_preset_dry_run_plans_every_stage_on_one_gpu(tmp_path):
         assert flag in train, (flag, train)
     assert "VLLM_CACHE_ROOT=results/smollm2-h200/vllm-cache " in block("benchmark_serving")
     assert "--draft-vocab-size 16384" in block("vocab_mapping")
+
+
+def test_serving_benchmark_plans_parity_rules(tmp_path):
+    ws = copy_workflow(tmp_path)
+    jobs, _, out = dry_run(ws, "--config", 'benchmark_serving={"enabled": true}')
+    for rule in ("benchmark_serving", "extract_parity_hidden_states", "evaluate_parity", "plot_serving"):
+        assert jobs.get(rule) == 1, (rule, out)
+    p = snakemake(ws, "-n", "-p", "--config", 'benchmark_serving={"enabled": true, "k": [2, 4]}',
+                  'export={"num_speculative_tokens": 4}')
+    cmds = {line.split("eaglepipe.")[1].split()[0]: line for line in p.stdout.splitlines() if "exec python -m" in line}
+    assert "--concurrency 1,4,16,64 --k 2,4" in cmds["benchmark_serving"]
+    assert "--parity-k 4" in cmds["benchmark_serving"]
+    parity_extract = [line for line in p.stdout.splitlines()
+                      if "eaglepipe.extract_hidden_states" in line and "/eval/parity/eval.jsonl" in line]
+    assert len(parity_extract) == 1 and "/eval/parity/shards --replica 0 --replicas 1" in parity_extract[0]
+    bad = snakemake(ws, "-n", "--config", 'benchmark_serving={"enabled": true, "k": [1, 2]}', check=False)
+    assert bad.returncode != 0
+    assert "benchmark_serving.parity.k (or the export's K) 3 is not among" in bad.stdout + bad.stderr
