@@ -41,8 +41,6 @@ def _allowed(err: jsonschema.ValidationError) -> str:
         return f"a string matching {err.validator_value}"
     if v == "minItems":
         return f"a list of at least {err.validator_value} items"
-    if v == "maxItems":
-        return f"a list of at most {err.validator_value} items"
     if v == "required":
         return "present"
     return f"valid under '{v}' = {err.validator_value!r}"
@@ -109,7 +107,7 @@ def config_errors(config: dict, schema: dict) -> list[str]:
 
 def names_target(config: dict) -> bool:
     """Whether the given config (config/config.yaml, --configfile, --config) names a target model.
-    One that does not is run on top of the demo preset (Snakefile)."""
+    One that does not is run on top of the demo preset (rules/common.smk)."""
     target = config.get("target")
     return isinstance(target, dict) and bool(target.get("model"))
 
