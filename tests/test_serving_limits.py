@@ -67,3 +67,20 @@ def test_default_layer_ids_give_three_distinct_aux_ids(n):
 def test_default_layer_ids_refuse_targets_too_small():
     with pytest.raises(ValueError, match="give extract.layer_ids explicitly"):
         default_layer_ids(3)
+
+
+def test_a_kimi_style_target_gets_a_draft_rope_vllm_serves_as_trained(tiny_dsv3, tmp_path):
+    """draft_model.draft_layer_config on a DeepseekV3 with Kimi-K2.5's yarn rope (config.json only)."""
+    import json
+
+    from eaglepipe.draft_model import draft_layer_config
+
+    cfg = json.loads((tiny_dsv3 / "config.json").read_text())
+    cfg.pop("rope_parameters", None)
+    cfg.update(rope_scaling={"type": "yarn", **{k: v for k, v in KIMI_ROPE.items() if k not in ("rope_type", "rope_theta")}},
+               rope_theta=KIMI_ROPE["rope_theta"], max_position_embeddings=4096 * 64)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    rope = draft_layer_config(tmp_path).rope_parameters
+    assert rope_error(rope) is None
+    assert rope["rope_type"] == "yarn" and rope["factor"] == 64.0 and "mscale" not in rope
+    assert yarn_attention_factors(rope) == pytest.approx((transformers_attention_factor(rope),) * 2)
