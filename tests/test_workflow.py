@@ -213,6 +213,8 @@ def test_config_on_the_command_line_naming_a_target_takes_the_schema_defaults(tm
     chats = tiny.make_chats(ws / "chats.jsonl", n=4)
     out = plan(ws, "--config", "run_name=mine", "target={'model': 'Qwen/Qwen3-8B'}", f"data={{'path': '{chats}'}}")
     assert_schema_defaults_not_the_demos(out, "Qwen/Qwen3-8B")
+    out = refused(ws, "--config", "target={'model': 'Qwen/Qwen3-8B'}")  # not even the demo's run name and data
+    assert "'run_name' is a required property" in out and "takes nothing from the demo preset" in out, out
 
 
 def test_build_null_on_the_command_line_uses_the_directory_as_it_is(tmp_path):
