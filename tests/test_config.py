@@ -179,3 +179,21 @@ def test_layer_ids_that_fit_pass(tmp_path):
     cfg, _ = local_target(tmp_path, layers=6, deploy_name="a/b")
     cfg["extract"] = {"layer_ids": [1, 3, 5, 6]}
     assert checked(cfg) == []
+
+
+@pytest.mark.parametrize("rope, refused", [
+    ({"type": "dynamic", "factor": 2.0}, "rope_type 'dynamic' is not served by vLLM 0.26.0 as transformers trains it"),
+    ({"type": "yarn", "factor": 64.0, "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096},
+     None),  # Kimi-K2.5's: the draft takes plain yarn (serving_limits.servable_rope)
+    ({"rope_type": "llama3", "factor": 8.0}, None),
+])
+def test_a_target_rope_the_draft_cannot_be_served_with_is_refused_before_training(tmp_path, rope, refused):
+    cfg, model = local_target(tmp_path, deploy_name="a/b")
+    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 6, "rope_scaling": rope}))
+    errors = checked(cfg)
+    if refused is None:
+        assert errors == []
+    else:
+        (error,) = errors
+        assert error.startswith(f"config key target.model = '{model}' cannot get a draft vLLM serves as trained")
+        assert refused in error

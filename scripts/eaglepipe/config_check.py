@@ -14,7 +14,7 @@ import jsonschema
 import yaml
 
 from .layers import default_layer_ids, validate_layer_ids
-from .serving_limits import AUX_STATES, aux_count_error
+from .serving_limits import AUX_STATES, aux_count_error, rope_error, servable_rope
 
 # target.build recipe -> the one directory it builds (rules/data.smk's build_target writes only there).
 BUILT_TARGETS = {"smollm2-gguf": "results/models/SmolLM2-135M-Instruct"}
@@ -170,7 +170,21 @@ def target_errors(config: dict) -> list[str]:
         except ValueError as e:
             out.append(f"config key extract.layer_ids = {ids!r} does not fit the target ({where}: "
                        f"num_hidden_layers {n}): {e}")
+        rope = draft_rope_error(cfg)
+        if rope:
+            out.append(f"config key target.model = {model!r} cannot get a draft vLLM serves as trained: the draft "
+                       f"takes the target's rope ({where}): {rope}")
     return out
+
+
+def draft_rope_error(target_cfg: dict) -> str | None:
+    """The export's rope refusal, known before training: the draft takes the target's flat rope
+    (speculators' create_transformer_layer_config, draft_model.draft_layer_config). A legacy
+    rope_scaling spells rope_type as type; per-layer-type ropes are left to the export's check."""
+    rope = target_cfg.get("rope_parameters") or target_cfg.get("rope_scaling")
+    if not isinstance(rope, dict) or not ({"rope_type", "type"} & set(rope)):
+        return None
+    return rope_error(servable_rope({**rope, "rope_type": rope.get("rope_type", rope.get("type"))}))
 
 
 def changed_settings(config: dict, schema: dict, prefix: str = "") -> list[str]:
