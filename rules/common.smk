@@ -40,7 +40,9 @@ if not names_target(config):
     update_config(config, _given)
 _errors = config_errors(config, _schema)
 if _errors and not _preset and any("required property" in e for e in _errors):
-    _errors.append("(a config that names target.model takes nothing from the demo preset)")
+    _errors.append(
+        "(a config that names target.model takes nothing from the demo preset)"
+    )
 if _errors:
     raise WorkflowError("invalid configuration:\n  " + "\n  ".join(_errors))
 validate(config, "../config/config.schema.yaml")
