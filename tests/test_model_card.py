@@ -76,3 +76,18 @@ def test_serving_without_a_recommendation_is_one_sentence(run):
     with pytest.raises(SystemExit, match=r"^model_card: .*serving.json recommended: missing field 'k'$"):
         write_card(run, "--serving", str(run / "eval/serving.json"))
     assert not (run / "draft" / "README.md").exists()
+
+
+def test_card_says_what_the_loss_saw_of_thinking_and_answer(run):
+    stats = json.loads((run / "data/stats.json").read_text())
+    stats["assistant"] = {"tokens_in_data": 1000, "tokens_trained": 800, "tokens_trained_thinking": 500,
+                          "tokens_trained_answer": 300, "trained_share": 0.8}
+    (run / "data/stats.json").write_text(json.dumps(stats))
+    assert "assistant tokens trained: 800 of 1000 (80%; thinking 500, answer 300)" in write_card(run)
+
+
+def test_a_concurrency_where_no_k_helps_reads_as_the_target_alone(run):
+    (run / "eval/serving.json").write_text(json.dumps(
+        {"recommended": {"by_concurrency": {"1": 3, "64": None}, "k": 3}}))
+    assert "best K by concurrency: 1: 3, 64: the target alone" in write_card(run, "--serving",
+                                                                           str(run / "eval/serving.json"))

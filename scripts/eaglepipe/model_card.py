@@ -54,6 +54,15 @@ def recommended_k(serving: dict | None, export_k: int, where: str) -> tuple[int,
     return k, f"the serving benchmark's best K at concurrency 1 ({where})"
 
 
+def assistant_tokens_line(assistant: dict | None) -> str:
+    """What the loss saw of the assistant text: thinking vs answer, and the share trained."""
+    if not assistant:
+        return "- assistant tokens trained: n/a"
+    return (f"- assistant tokens trained: {assistant['tokens_trained']} of {assistant['tokens_in_data']} "
+            f"({assistant['trained_share']:.0%}; thinking {assistant['tokens_trained_thinking']}, "
+            f"answer {assistant['tokens_trained_answer']})")
+
+
 def card(config: dict, summary: dict, which: str, data_stats: dict, offline: dict, serving: dict | None,
          draft_dir: Path, tensor_parallel_size: int, trust_remote_code: bool, where: dict[str, str]) -> str:
     spec = _field(config, "speculators_config", where["config"])
@@ -86,6 +95,7 @@ def card(config: dict, summary: dict, which: str, data_stats: dict, offline: dic
         f"- training tokens: {summary.get('train_tokens', 'n/a')}",
         f"- data: {data_stats.get('read', 'n/a')} conversations read, {data_stats.get('kept', 'n/a')} kept, "
         f"skipped {data_stats.get('skipped', {})}",
+        assistant_tokens_line(data_stats.get("assistant")),
         f"- acceptance length at that checkpoint's eval (bonus token counted): {ev.get('acceptance_length', 'n/a')}",
         "",
         "## Evaluation",
@@ -96,7 +106,8 @@ def card(config: dict, summary: dict, which: str, data_stats: dict, offline: dic
     if serving is not None:
         by_concurrency = serving["recommended"].get("by_concurrency") or {}
         lines.append("- vLLM serving benchmark, best K by concurrency: "
-                     + (", ".join(f"{c}: {v}" for c, v in by_concurrency.items()) or "n/a"))
+                     + (", ".join(f"{c}: {'the target alone' if v is None else v}"
+                                  for c, v in by_concurrency.items()) or "n/a"))
     return "\n".join(lines) + "\n"
 
 
