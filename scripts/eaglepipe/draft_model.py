@@ -119,10 +119,13 @@ def build_draft(target: str | Path, aux_layer_ids: list[int], vocab_mapping: str
     """
     d2t, t2d = load_vocab_mapping(vocab_mapping)
     tcfg = target_text_config(target, trust_remote_code)
-    if resolve_architecture(architecture, tcfg) == "mla":
-        layer_cfg, norm_flags = mla_draft.layer_config(tcfg, mlp_width), mla_draft.NORM_FLAGS
-    else:
-        layer_cfg, norm_flags = draft_layer_config(target, trust_remote_code, mlp_width), NORM_FLAGS
+    try:
+        if resolve_architecture(architecture, tcfg) == "mla":
+            layer_cfg, norm_flags = mla_draft.layer_config(tcfg, mlp_width), mla_draft.NORM_FLAGS
+        else:
+            layer_cfg, norm_flags = draft_layer_config(target, trust_remote_code, mlp_width), NORM_FLAGS
+    except ValueError as e:
+        raise SystemExit(f"target {target}: {e}") from e
     if t2d.numel() != layer_cfg.vocab_size:
         raise SystemExit(f"vocab mapping {vocab_mapping}: t2d covers {t2d.numel()} tokens but target "
                          f"{target} has vocab_size {layer_cfg.vocab_size}")
