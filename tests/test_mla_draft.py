@@ -67,8 +67,9 @@ def test_mla_layer_has_the_targets_mla_shapes(dsv3, run):
     cfg = json.loads((run["model"].parent / "mla_ckpt" / "config.json").read_text())
     saved = {k: tuple(v.shape) for k, v in load_file(str(run["model"].parent / "mla_ckpt" / "model.safetensors")).items()}
     assert saved == mla_draft.served_shapes(mla_draft.served_config(cfg))
-    forced = build_draft(dsv3, [1, 3, 5], run["vocab"], ttt_steps=3, architecture="llama")
+    forced = build_draft(dsv3, [1, 3, 5], run["vocab"], ttt_steps=3, architecture="llama", mlp_width=40)
     assert forced.config.transformer_layer_config.model_type == "llama"
+    assert forced.config.transformer_layer_config.intermediate_size == 40
 
 
 def test_mla_on_a_non_mla_target_is_a_clear_error(tiny_llama, run):
