@@ -72,6 +72,13 @@ def test_mla_layer_has_the_targets_mla_shapes(dsv3, run):
     assert forced.config.transformer_layer_config.intermediate_size == 40
 
 
+def test_kimi_preset_trains_an_mla_draft():
+    import yaml
+
+    preset = yaml.safe_load((Path(__file__).parents[1] / "config" / "presets" / "kimi-k2.5.yaml").read_text())
+    assert preset["draft"]["architecture"] == "mla"
+
+
 def test_mla_on_a_non_mla_target_is_a_clear_error(tiny_llama, run):
     with pytest.raises(SystemExit, match="needs an MLA target"):
         build_draft(tiny_llama, [1, 3, 5], run["vocab"], ttt_steps=3, architecture="mla")
@@ -156,6 +163,15 @@ def test_cli_export_is_what_vllm_serves_as_eagle3_deepseek(exported, run):
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5] and cfg["num_aux_hidden_states"] == 3
     assert cfg["eaglepipe"] == {"draft_architecture": "mla", "verifier": "org/dsv3", "num_speculative_tokens": 3}
     assert {k: cfg[k] for k in mla_draft.NORM_FLAGS} == mla_draft.NORM_FLAGS
+    # as vLLM reads it: transformers' config class keeps the EAGLE-3 keys as attributes, and the
+    # rope_scaling that vLLM's draft layer turns into deepseek_yarn carries what that rotation needs
+    from transformers import AutoConfig
+
+    loaded = AutoConfig.from_pretrained(str(exported / "draft"))
+    assert type(loaded).__name__ == "DeepseekV3Config" and loaded.architectures == ["Eagle3DeepseekV3ForCausalLM"]
+    assert (loaded.draft_vocab_size, loaded.target_hidden_size, loaded.num_aux_hidden_states) == (256, 64, 3)
+    assert loaded.eagle_aux_hidden_state_layer_ids == [1, 3, 5] and loaded.norm_before_residual and loaded.norm_output
+    assert {"factor", "original_max_position_embeddings", "rope_theta"} <= set(loaded.rope_scaling)
     tensors = load_file(str(exported / "draft" / "model.safetensors"))
     expected = mla_draft.served_shapes(cfg)
     assert {k: tuple(v.shape) for k, v in tensors.items()} == {k: s for k, s in expected.items() if k != "embed_tokens.weight"}
