@@ -379,3 +379,39 @@ def test_exported_names_and_shapes_are_what_the_vllm_class_builds(exported):
     loaded = {n for n, _ in served_names_to_vllm(tensors, source.mapper).values()}
     unfilled = {n for n in vllm if n.endswith(".weight") or n == "draft_id_to_target_id"} - loaded
     assert unfilled == {"model.embed_tokens.weight"}  # shared with the target when left out
+
+
+# ----------------------------------------------------------------------------- the whole pipeline
+def test_snakemake_run_on_a_deepseek_v3_target_delivers_an_mla_draft(tmp_path):
+    """The embedded workflow, default draft.architecture (auto), on a tiny DeepseekV3 target."""
+    from test_workflow import tiny_config
+    from workflow import copy_workflow, snakemake, write_config
+
+    ws = copy_workflow(tmp_path)
+    target = tiny.make_deepseek_v3(ws / "target", num_layers=6)
+    chats = tiny.make_chats(ws / "chats.jsonl", n=24)
+    cfg = tiny_config(target, chats)
+    cfg["target"]["deploy_name"] = "tiny/dsv3"
+    write_config(ws, cfg)
+    snakemake(ws)
+    run = ws / "results" / "tiny"
+    served = json.loads((run / "draft" / "config.json").read_text())
+    assert served["architectures"] == ["Eagle3DeepseekV3ForCausalLM"] and served["eaglepipe"]["verifier"] == "tiny/dsv3"
+    assert "draft architecture mla (auto requested): deepseek_v3 decoder layer" in (run / "logs" / "train_draft.log").read_text()
+    assert json.loads((run / "eval" / "offline.json").read_text())["acceptance_length"] >= 1.0
+
+
+def test_kimi_preset_plans_an_mla_draft():
+    import subprocess
+    import sys
+
+    from workflow import REPO
+
+    p = subprocess.run(
+        [sys.executable, "-m", "snakemake", "-n", "-p", "--cores", "all", "--directory", str(REPO),
+         "--workflow-profile", "none", "--configfile", str(REPO / "config/presets/kimi-k2.5.yaml")],
+        capture_output=True, text=True, cwd=REPO)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out
+    block = out[out.index("rule train_draft:"):]
+    assert "--draft-architecture mla" in block[: block.index("\n\n")]

@@ -7,6 +7,7 @@ parse flags or validate inputs stay quick.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -15,6 +16,8 @@ from safetensors.torch import load_file
 
 from . import mla_draft
 from .serving_limits import servable_rope
+
+log = logging.getLogger("eaglepipe.draft_model")
 
 # The one place the norm flags are chosen. vLLM 0.26.0 honours all four (algos.py update_eagle3 and
 # llama_eagle3.py, read from its wheel), so speculators 0.9.0's eagle3 defaults train what vLLM serves.
@@ -120,12 +123,15 @@ def build_draft(target: str | Path, aux_layer_ids: list[int], vocab_mapping: str
     d2t, t2d = load_vocab_mapping(vocab_mapping)
     tcfg = target_text_config(target, trust_remote_code)
     try:
-        if resolve_architecture(architecture, tcfg) == "mla":
+        resolved = resolve_architecture(architecture, tcfg)
+        if resolved == "mla":
             layer_cfg, norm_flags = mla_draft.layer_config(tcfg, mlp_width), mla_draft.NORM_FLAGS
         else:
             layer_cfg, norm_flags = draft_layer_config(target, trust_remote_code, mlp_width), NORM_FLAGS
     except ValueError as e:
         raise SystemExit(f"target {target}: {e}") from e
+    log.info("draft architecture %s (%s requested): %s decoder layer, MLP width %d", resolved, architecture,
+             layer_cfg.model_type, layer_cfg.intermediate_size)
     if t2d.numel() != layer_cfg.vocab_size:
         raise SystemExit(f"vocab mapping {vocab_mapping}: t2d covers {t2d.numel()} tokens but target "
                          f"{target} has vocab_size {layer_cfg.vocab_size}")

@@ -186,7 +186,7 @@ def export_draft(summary_path: str, which: str, verifier_name: str, k: int, drop
     except json.JSONDecodeError as e:
         raise ExportError(f"{where}: config.json is not valid JSON ({e})") from e
     mla = mla_draft.is_mla_checkpoint(config)  # MLA drafts: see the "MLA drafts" section below
-    (check_mla_servable if mla else check_serving_flags)(config, where)
+    (prepare_mla if mla else check_serving_flags)(config, where)
     try:
         tensors = load_file(str(ckpt / "model.safetensors"))
     except Exception as e:  # safetensors raises several error types for damaged files
@@ -256,6 +256,12 @@ def check_mla_servable(config: dict, where: str) -> None:
         mla_draft.check_servable(config, where)
     except ValueError as e:
         raise ExportError(str(e)) from e
+
+
+def prepare_mla(config: dict, where: str) -> None:
+    """Refuse what vLLM would serve differently; let speculators build the layer (expected_shapes)."""
+    check_mla_servable(config, where)
+    mla_draft.register_with_speculators()
 
 
 def validate_mla_export(d: Path, config: dict) -> None:
