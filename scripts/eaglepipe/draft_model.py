@@ -195,7 +195,7 @@ def _load_served_mla(draft_dir: Path, served: dict, target: str | Path, device) 
     flags = {k: served[k] for k in mla_draft.NORM_FLAGS}
     model = _new_draft(mla_draft.served_layer_config(served), flags, target,
                        served["eagle_aux_hidden_state_layer_ids"], weights["d2t"], weights["t2d"].bool(),
-                       served[mla_draft.EXPORT_KEY]["num_speculative_tokens"], device, False)
+                       served[mla_draft.EXPORT_KEY]["num_speculative_tokens"], device, trust_remote_code=False)
     missing, unexpected = model.load_state_dict(weights, strict=False)
     from_target = {"embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight"}
     if unexpected or set(missing) - from_target:

@@ -251,16 +251,16 @@ def validate_export(draft_dir: str | os.PathLike) -> dict:
 # ----------------------------------------------------------------------------- MLA drafts
 # An MLA draft (mla_draft.py) trains as a speculators checkpoint like any other, but vLLM 0.26.0
 # serves it as Eagle3DeepseekV3ForCausalLM from a plain DeepseekV3 config (mla_draft.served_config).
-def check_mla_servable(config: dict, where: str) -> None:
+def check_mla_servable(config: dict, layer: dict, where: str) -> None:
     try:
-        mla_draft.check_servable(config, where)
+        mla_draft.check_servable(config, layer, where)
     except ValueError as e:
         raise ExportError(str(e)) from e
 
 
 def prepare_mla(config: dict, where: str) -> None:
     """Refuse what vLLM would serve differently; let speculators build the layer (expected_shapes)."""
-    check_mla_servable(config, where)
+    check_mla_servable(config, config["transformer_layer_config"], where)
     mla_draft.register_with_speculators()
 
 
@@ -274,7 +274,7 @@ def validate_mla_export(d: Path, config: dict) -> None:
     if "speculators_config" in config:
         raise ExportError(f"{where}: has speculators_config, so vLLM would read it as the speculators format, "
                           f"which has no MLA layer")
-    check_mla_servable({**config, "transformer_layer_config": config}, where)
+    check_mla_servable(config, config, where)  # the layer fields are top-level here
     tensors = load_file(str(d / "model.safetensors"))
     check_tensors(tensors, mla_draft.served_shapes(config), {EMBED}, f"export {d / 'model.safetensors'} "
                   f"(as vLLM's {mla_draft.SERVED_ARCHITECTURE} loads it)")
@@ -284,7 +284,10 @@ def mla_roundtrip_check(out_dir: Path, target: str, written: dict[str, torch.Ten
     """Load the MLA export as evaluation does (draft_model.load_draft) and compare the tensors."""
     from .draft_model import load_draft
 
-    state = load_draft(out_dir, target).state_dict()
+    try:
+        state = load_draft(out_dir, target).state_dict()
+    except SystemExit as e:  # load_draft's errors are its CLI messages
+        raise ExportError(f"export {name}: cannot be loaded against the target {target}: {e}") from e
     for key, t in written.items():
         if not torch.equal(state[key].to(t.dtype), t):
             raise ExportError(f"export {name}: tensor {key!r} reads back different from what was written")

@@ -142,15 +142,15 @@ def is_served_config(config: dict) -> bool:
     return config.get("architectures") == [SERVED_ARCHITECTURE]
 
 
-def check_servable(config: dict, where: str) -> None:
-    """Refuse an MLA checkpoint vLLM's Eagle3DeepseekV2ForCausalLM would serve differently."""
+def check_servable(config: dict, layer: dict, where: str) -> None:
+    """Refuse an MLA draft (its EAGLE-3 ``config``, its ``layer`` fields) that vLLM's
+    Eagle3DeepseekV2ForCausalLM would serve differently from what was trained."""
     differ = {k: config.get(k, False) for k, v in NORM_FLAGS.items() if bool(config.get(k, False)) != v}
     if differ:
         raise ValueError(f"{where}: norm flag(s) {differ} differ from the MLA draft's {NORM_FLAGS}; vLLM's "
                          "Eagle3DeepseekV2ForCausalLM has no norm before fc, so it would serve another model")
-    layers = config["transformer_layer_config"].get("num_hidden_layers")
-    if layers != NUM_DRAFT_LAYERS:
-        raise ValueError(f"{where}: transformer_layer_config.num_hidden_layers is {layers}; vLLM widens only "
+    if layer.get("num_hidden_layers") != NUM_DRAFT_LAYERS:
+        raise ValueError(f"{where}: num_hidden_layers is {layer.get('num_hidden_layers')}; vLLM widens only "
                          f"layer 0 to 2 x hidden, the MLA draft has {NUM_DRAFT_LAYERS} layer")
 
 
