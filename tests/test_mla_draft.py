@@ -63,9 +63,10 @@ def test_mla_layer_has_the_targets_mla_shapes(dsv3, run):
     assert attn.q_a_proj.in_features == attn.kv_a_proj_with_mqa.in_features == 2 * target.hidden_size
     assert attn.o_proj.out_features == target.hidden_size
     # what speculators saves is what the served config says vLLM loads
-    model.save_pretrained(str(run["model"].parent / "mla_ckpt"))
-    cfg = json.loads((run["model"].parent / "mla_ckpt" / "config.json").read_text())
-    saved = {k: tuple(v.shape) for k, v in load_file(str(run["model"].parent / "mla_ckpt" / "model.safetensors")).items()}
+    ckpt = run["model"].parent / "mla_ckpt"
+    model.save_pretrained(str(ckpt))
+    cfg = json.loads((ckpt / "config.json").read_text())
+    saved = {k: tuple(v.shape) for k, v in load_file(str(ckpt / "model.safetensors")).items()}
     assert saved == mla_draft.served_shapes(mla_draft.served_config(cfg))
     forced = build_draft(dsv3, [1, 3, 5], run["vocab"], ttt_steps=3, architecture="llama", mlp_width=40)
     assert forced.config.transformer_layer_config.model_type == "llama"
@@ -174,7 +175,8 @@ def test_cli_export_is_what_vllm_serves_as_eagle3_deepseek(exported, run):
     assert {"factor", "original_max_position_embeddings", "rope_theta"} <= set(loaded.rope_scaling)
     tensors = load_file(str(exported / "draft" / "model.safetensors"))
     expected = mla_draft.served_shapes(cfg)
-    assert {k: tuple(v.shape) for k, v in tensors.items()} == {k: s for k, s in expected.items() if k != "embed_tokens.weight"}
+    del expected["embed_tokens.weight"]  # left out: vLLM shares the target's
+    assert {k: tuple(v.shape) for k, v in tensors.items()} == expected
     assert tensors["fc.weight"].dtype == torch.bfloat16 and tensors["d2t"].dtype == torch.int64
     summary = json.loads((exported / "train" / "summary.json").read_text())
     trained = load_file(str(exported / "train" / summary["best"] / "model.safetensors"))
@@ -353,32 +355,47 @@ def served_names_to_vllm(names, mapper: dict) -> dict[str, tuple[str, int | None
     return mapped
 
 
+def vllm_mismatches(tensors: dict, vllm: dict, mapper: dict) -> list[str]:
+    """What vLLM's loader would refuse or leave unfilled when given ``tensors``."""
+    problems, stacked = [], {}
+    mapped = served_names_to_vllm(tensors, mapper)
+    for name, (vllm_name, shard) in mapped.items():
+        if vllm_name not in vllm:
+            problems.append(f"{name} -> {vllm_name}: no such parameter")
+        elif shard is None and tuple(tensors[name].shape) != vllm[vllm_name]:
+            problems.append(f"{name}: {tuple(tensors[name].shape)} != {vllm[vllm_name]}")
+        elif shard is not None:
+            stacked.setdefault(vllm_name, []).append((shard, tuple(tensors[name].shape)))
+    for vllm_name, parts in stacked.items():
+        rows = tuple(shape[0] for _, shape in sorted(parts))
+        if rows != vllm[vllm_name.replace(".weight", ".shards")] or {s[1] for _, s in parts} != {vllm[vllm_name][1]}:
+            problems.append(f"{vllm_name}: shards {sorted(parts)} != {vllm[vllm_name]}")
+    loaded = {n for n, _ in mapped.values()}
+    unfilled = {n for n in vllm if n.endswith(".weight") or n == "draft_id_to_target_id"} - loaded
+    problems += [f"{n}: not in the checkpoint" for n in sorted(unfilled - {"model.embed_tokens.weight"})]
+    return problems
+
+
 def test_exported_names_and_shapes_are_what_the_vllm_class_builds(exported):
     wheel = vllm_wheel()
     if wheel is None or not wheel.is_file():
         pytest.skip("the vllm 0.26.0 wheel is not here: pip download --no-deps vllm==0.26.0 -d /tmp/vllmwheel")
     source = VllmSource(wheel)
     cfg = json.loads((exported / "draft" / "config.json").read_text())
-    config = SimpleNamespace(**cfg)
-    ns = {"self": SimpleNamespace(config=config), "torch": torch, "nn": torch.nn, "copy": copy,
+    ns = {"self": SimpleNamespace(config=SimpleNamespace(**cfg)), "torch": torch, "nn": torch.nn, "copy": copy,
           "getattr": getattr, "hasattr": hasattr, "len": len, "get_tensor_model_parallel_world_size": lambda: 1}
     vllm = source.shapes("Eagle3DeepseekV2ForCausalLM", ns)
     assert "model.layers.0.self_attn.fused_qkv_a_proj.weight" in vllm  # the interpreter did reach the MLA layer
     tensors = load_file(str(exported / "draft" / "model.safetensors"))
-    stacked: dict[str, list] = {}
-    for name, (vllm_name, shard) in served_names_to_vllm(tensors, source.mapper).items():
-        assert vllm_name in vllm, f"{name} -> {vllm_name}: no such parameter in vLLM's class"
-        if shard is None:
-            assert tuple(tensors[name].shape) == vllm[vllm_name], name
-        else:
-            stacked.setdefault(vllm_name, []).append((shard, tuple(tensors[name].shape)))
-    for vllm_name, parts in stacked.items():
-        rows = [shape[0] for _, shape in sorted(parts)]
-        assert tuple(rows) == vllm[vllm_name.replace(".weight", ".shards")], vllm_name
-        assert {shape[1] for _, shape in parts} == {vllm[vllm_name][1]}, vllm_name
-    loaded = {n for n, _ in served_names_to_vllm(tensors, source.mapper).values()}
-    unfilled = {n for n in vllm if n.endswith(".weight") or n == "draft_id_to_target_id"} - loaded
-    assert unfilled == {"model.embed_tokens.weight"}  # shared with the target when left out
+    assert vllm_mismatches(tensors, vllm, source.mapper) == []
+    # and the comparison does catch what vLLM would refuse
+    attn = "layers.0.self_attn."
+    wrong = {**tensors, attn + "kv_a_proj_with_mqa.weight": tensors[attn + "kv_a_proj_with_mqa.weight"][:, :64]}
+    del wrong["layers.0.hidden_norm.weight"]
+    wrong["layers.0.mlp.gate_proj.weight"] = wrong["layers.0.mlp.gate_proj.weight"].T
+    assert len(vllm_mismatches(wrong, vllm, source.mapper)) == 3
+    renamed = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in tensors.items()}
+    assert vllm_mismatches(renamed, vllm, source.mapper) == []  # EAGLE-3's midlayer.* names map the same
 
 
 # ----------------------------------------------------------------------------- the whole pipeline
@@ -397,7 +414,8 @@ def test_snakemake_run_on_a_deepseek_v3_target_delivers_an_mla_draft(tmp_path):
     run = ws / "results" / "tiny"
     served = json.loads((run / "draft" / "config.json").read_text())
     assert served["architectures"] == ["Eagle3DeepseekV3ForCausalLM"] and served["eaglepipe"]["verifier"] == "tiny/dsv3"
-    assert "draft architecture mla (auto requested): deepseek_v3 decoder layer" in (run / "logs" / "train_draft.log").read_text()
+    train_log = (run / "logs" / "train_draft.log").read_text()
+    assert "draft architecture mla (auto requested): deepseek_v3 decoder layer" in train_log
     assert json.loads((run / "eval" / "offline.json").read_text())["acceptance_length"] >= 1.0
 
 
