@@ -207,6 +207,9 @@ def test_validation_refuses_what_vllm_would_not_load(exported, tmp_path):
     (bad / "config.json").write_text(json.dumps({**cfg, "norm_before_fc": True}))
     with pytest.raises(export_draft.ExportError, match="no norm before fc"):
         export_draft.validate_export(bad)
+    (bad / "config.json").write_text(json.dumps({**cfg, "hidden_act": "gelu"}))
+    with pytest.raises(export_draft.ExportError, match="silu only"):
+        export_draft.validate_export(bad)
     (bad / "config.json").write_text(json.dumps({**cfg, "kv_lora_rank": cfg["kv_lora_rank"] * 2}))
     with pytest.raises(export_draft.ExportError, match="kv_a_layernorm.weight. has shape"):
         export_draft.validate_export(bad)

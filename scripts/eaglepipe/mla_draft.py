@@ -149,6 +149,8 @@ def check_servable(config: dict, layer: dict, where: str) -> None:
     if differ:
         raise ValueError(f"{where}: norm flag(s) {differ} differ from the MLA draft's {NORM_FLAGS}; vLLM's "
                          "Eagle3DeepseekV2ForCausalLM has no norm before fc, so it would serve another model")
+    if layer.get("hidden_act") != "silu":  # DeepseekV2MLP (deepseek_v2.py) raises on anything else
+        raise ValueError(f"{where}: hidden_act is {layer.get('hidden_act')!r}; vLLM's DeepseekV2MLP supports silu only")
     if layer.get("num_hidden_layers") != NUM_DRAFT_LAYERS:
         raise ValueError(f"{where}: num_hidden_layers is {layer.get('num_hidden_layers')}; vLLM widens only "
                          f"layer 0 to 2 x hidden, the MLA draft has {NUM_DRAFT_LAYERS} layer")
