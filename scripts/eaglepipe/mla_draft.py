@@ -28,8 +28,9 @@ NUM_DRAFT_LAYERS = 1
 # vLLM's DeepseekV2Eagle3Model has no norm over the concatenated aux states before fc (the Llama
 # draft's norm_before_fc), so the MLA draft trains without it; the other three flags it honours.
 NORM_FLAGS = {"norm_before_residual": True, "norm_before_fc": False, "fc_norm": False, "norm_output": True}
-# Where the served config keeps what vLLM does not read but evaluation and the card need; not
-# "speculators_config": vLLM would then parse the file as the speculators format and refuse it.
+# Where the served config records what vLLM does not read (the draft architecture, the deploy
+# verifier, K for evaluation); not "speculators_config": vLLM would then parse the file as the
+# speculators format and refuse its deepseek_v3 layer.
 EXPORT_KEY = "eaglepipe"
 # Keys of the exported config that are EAGLE-3 settings, not DeepseekV3 layer fields.
 EAGLE_KEYS = ("draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids",
