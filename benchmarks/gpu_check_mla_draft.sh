@@ -1,20 +1,21 @@
 #!/usr/bin/env bash
 # Issue 21 on the lent GPU: an MLA draft (draft.architecture mla) for a random-weight DeepseekV3
 # target (MLA + MoE, 4 layers, hidden 1024: make_random_target.py --arch dsv3) goes through our
-# CLIs on the GPU (hf extraction, train_draft with flex attention, export_draft), then vLLM 0.26.0
-# loads the export, logs the architecture it resolved (Eagle3DeepseekV3ForCausalLM expected) and
-# serves with it; vLLM's per-position acceptance is put beside our offline replay (eaglepipe.evaluate)
-# of exactly the tokens vLLM generated. With random weights AL is not the point; loading and
-# agreement are.
+# CLIs on the GPU (hf extraction, train_draft with flex attention, export_draft); then
+# eaglepipe.benchmark_serving has vLLM 0.26.0 load the export (its "Resolved architecture" lines are
+# kept: Eagle3DeepseekV2ForCausalLM expected for the draft) and serve with it at concurrency 1, and
+# eaglepipe.evaluate --parity replays the sequences of that window offline and compares the
+# per-position acceptance with vLLM's counters (the pipeline's evaluate_parity). With random
+# weights AL is not the point; loading and agreement are.
 #
 #   bash benchmarks/gpu_check_mla_draft.sh
 #
-# Needs vLLM 0.26.0 and speculators 0.9.0 importable from $SITE (default /tmp/site; vLLM staged as in
-# shared/device/README.md §1, speculators as gpu_compare_trainers.sh `setup` installs it).
+# Needs vLLM 0.26.0 and speculators 0.9.0 importable: from $SITE (default /tmp/site; vLLM staged as
+# in shared/device/README.md section 1) or an environment set up by `gpu_pipeline.sh start`.
 # Env: WORK (default /tmp/mla), OUT (default /tmp/out), STEPS (train steps, default 300), K (3).
 # Every step is skipped when its output exists: a call cut at its time limit continues when repeated.
-# Results in $OUT: summary.txt (steps, resolved architecture, both acceptance figures), serve.json,
-# offline.json, logs.tar.gz.
+# Results in $OUT: summary.txt (steps, resolved architectures, vLLM vs offline acceptance),
+# serving.json, parity.json, logs.tar.gz.
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
@@ -27,7 +28,7 @@ export PYTHONPATH="${SITE:-/tmp/site}:$REPO/scripts${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_WORKER_MULTIPROC_METHOD=spawn
 
 finish() {
-  cp "$W/summary.txt" "$W/serve.json" "$W/offline.json" "$O/" 2>/dev/null
+  cp "$W/summary.txt" "$W/serving.json" "$W/parity.json" "$O/" 2>/dev/null
   (cd "$W" && tar -czf "$O/logs.tar.gz" $(ls *.log train/metrics.jsonl draft/config.json 2>/dev/null))
   exit "$1"
 }
@@ -64,19 +65,17 @@ step export "$W/draft/config.json" python3 -m eaglepipe.export_draft --summary "
   --verifier-name "$W/target" --num-speculative-tokens "$K" --out-dir "$W/draft"
 python3 -c 'import json,sys; c=json.load(open(sys.argv[1])); print("exported:", c["architectures"], c["eaglepipe"])' \
   "$W/draft/config.json" | tee -a "$W/summary.txt"
-step serve "$W/serve.json" python3 benchmarks/mla_draft_check.py serve --target "$W/target" --draft "$W/draft" \
-  --data "$W/data/eval.jsonl" --k "$K" --prompt-len 32 --max-tokens 128 --json "$W/serve.json" \
-  --generated "$W/generated.jsonl"
-grep -h "vLLM resolved the draft\|Resolved architecture\|vLLM acceptance" "$W/serve.log" | tee -a "$W/summary.txt"
-# offline replay of the tokens vLLM served: their hidden states, then our estimator on them
-extract extract_served "$W/generated.jsonl" "$W/generated.jsonl" "$W/hs_served"
-step offline "$W/offline.json" python3 -m eaglepipe.evaluate --draft "$W/draft" --manifest "$W/hs_served/manifest.json" \
-  --split eval --model "$W/target" --k "$K" --out "$W/offline.json"
-python3 - "$W/serve.json" "$W/offline.json" <<'EOF' | tee -a "$W/summary.txt"
-import json, sys
-online, offline = (json.load(open(p)) for p in sys.argv[1:3])
-print("per-position acceptance  vLLM:", [round(x, 4) for x in online["per_position_acceptance"]],
-      " offline:", [round(x, 4) for x in offline["per_position_acceptance"]])
-print("acceptance length        vLLM:", online["acceptance_length"], " offline:", offline["acceptance_length"])
-EOF
+step prompts "$W/data/prompts.jsonl" python3 benchmarks/mla_draft_check.py prompts --data "$W/data/eval.jsonl" \
+  --prompt-len 32 --out "$W/data/prompts.jsonl"
+: > "$W/no_train.jsonl"  # the parity set is all held out, as in the pipeline's benchmark_serving rule
+step serve "$W/serving.json" python3 -m eaglepipe.benchmark_serving --model "$W/target" --draft "$W/draft" \
+  --prompts "$W/data/prompts.jsonl" --num-prompts 32 --max-tokens 128 --concurrency 1 --k "$K" \
+  --min-seconds 5 --min-output-tokens 1000 --parity-k "$K" --parity-min-requests 16 \
+  --out "$W/serving.json" --parity-samples "$W/parity_samples.jsonl"
+grep -h "Resolved architecture\|^benchmark_serving:" "$W/serve.log" | tee -a "$W/summary.txt"
+# offline replay of the tokens vLLM served: their hidden states, then our estimator against vLLM's counters
+extract extract_parity "$W/no_train.jsonl" "$W/parity_samples.jsonl" "$W/hs_parity"
+step parity "$W/parity.json" python3 -m eaglepipe.evaluate --draft "$W/draft" --manifest "$W/hs_parity/manifest.json" \
+  --split eval --model "$W/target" --k "$K" --parity "$W/serving.json" --out "$W/parity.json"
+tail -n 5 "$W/parity.log" | tee -a "$W/summary.txt"
 finish 0
