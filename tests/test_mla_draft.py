@@ -182,7 +182,6 @@ def test_cli_export_is_what_vllm_serves_as_eagle3_deepseek(exported, run):
     trained = load_file(str(exported / "train" / summary["best"] / "model.safetensors"))
     assert torch.equal(tensors["layers.0.self_attn.q_a_proj.weight"],
                        trained["layers.0.self_attn.q_a_proj.weight"].to(torch.bfloat16))
-    assert "deepseek_v3 layer" in (exported / "draft" / "README.md").read_text()
     offline = json.loads((exported / "offline.json").read_text())
     assert offline["acceptance_length"] >= 1.0 and len(offline["per_position_acceptance"]) == 3
 
@@ -417,6 +416,9 @@ def test_snakemake_run_on_a_deepseek_v3_target_delivers_an_mla_draft(tmp_path):
     run = ws / "results" / "tiny"
     served = json.loads((run / "draft" / "config.json").read_text())
     assert served["architectures"] == ["Eagle3DeepseekV3ForCausalLM"] and served["eaglepipe"]["verifier"] == "tiny/dsv3"
+    card = (run / "draft" / "README.md").read_text()
+    assert "served by vLLM as `Eagle3DeepseekV3ForCausalLM`" in card and "1 x deepseek_v3 layer" in card
+    assert '"method": "eagle3", "num_speculative_tokens": 3' in card and "vllm serve tiny/dsv3" in card
     train_log = (run / "logs" / "train_draft.log").read_text()
     assert "draft architecture mla (auto requested): deepseek_v3 decoder layer" in train_log
     assert json.loads((run / "eval" / "offline.json").read_text())["acceptance_length"] >= 1.0

@@ -268,7 +268,7 @@ def validate_mla_export(d: Path, config: dict) -> None:
     """Names and shapes against what vLLM's Eagle3DeepseekV2ForCausalLM builds for this config."""
     where = f"export {d / 'config.json'}"
     missing = [k for k in ("architectures", "draft_vocab_size", "eagle_aux_hidden_state_layer_ids", "kv_lora_rank",
-                           "num_aux_hidden_states", *VLLM_NORM_FLAGS) if k not in config]
+                           "num_aux_hidden_states", *NORM_FLAGS) if k not in config]
     if missing:
         raise ExportError(f"{where}: missing key(s) {missing}")
     if "speculators_config" in config:

@@ -185,6 +185,15 @@ def served_config(export_cfg: dict) -> dict:
     }
 
 
+def card_view(served: dict) -> dict:
+    """The exported config in the speculators layout the model card reads, with ``served_as``."""
+    spec = served[EXPORT_KEY]
+    return {**{k: served[k] for k in ("draft_vocab_size", *NORM_FLAGS)}, "served_as": SERVED_ARCHITECTURE,
+            "transformer_layer_config": {k: v for k, v in served.items() if k not in EAGLE_KEYS},
+            "speculators_config": {"verifier": {"name_or_path": spec["verifier"]},
+                                   "proposal_methods": [{"speculative_tokens": spec["num_speculative_tokens"]}]}}
+
+
 def served_layer_config(served: dict):
     """The draft's DeepseekV3 layer config back from an exported config.json (for evaluation)."""
     from transformers import DeepseekV3Config
