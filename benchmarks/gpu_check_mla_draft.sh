@@ -3,8 +3,8 @@
 # target (MLA + MoE, 4 layers, hidden 1024: make_random_target.py --arch dsv3) goes through our
 # CLIs on the GPU (hf extraction, train_draft with flex attention, export_draft); then
 # eaglepipe.benchmark_serving has vLLM 0.26.0 load the export (its "Resolved architecture" lines are
-# kept: Eagle3DeepseekV3ForCausalLM, vLLM's alias of Eagle3DeepseekV2ForCausalLM, expected for the draft) and serve with it at concurrency 1, and
-# eaglepipe.evaluate --parity replays the sequences of that window offline and compares the
+# kept: Eagle3DeepseekV3ForCausalLM, vLLM's alias of Eagle3DeepseekV2ForCausalLM, is expected for
+# the draft) and serve with it at concurrency 1, and eaglepipe.evaluate --parity replays the sequences of that window offline and compares the
 # per-position acceptance with vLLM's counters (the pipeline's evaluate_parity). With random
 # weights AL is not the point; loading and agreement are.
 #
