@@ -60,8 +60,19 @@ def template_digest(tokenizer) -> str:
     return h.hexdigest()
 
 
-def _render(tokenizer, messages, add_generation_prompt=False) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+def _render(tokenizer, messages, add_generation_prompt=False, **template_kwargs) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         **template_kwargs)
+
+
+def encode_prompt(tokenizer, messages: list[dict], template_kwargs: dict) -> list[int]:
+    """Token ids of ``messages`` rendered with the generation prompt: what the target continues.
+
+    ``template_kwargs`` reach the template as variables (e.g. ``enable_thinking``). The rendered
+    text carries the template's own special tokens, so none are added again.
+    """
+    text = _render(tokenizer, messages, add_generation_prompt=True, **template_kwargs)
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]], Counter]:
