@@ -359,23 +359,25 @@ def test_resume_after_kill_equals_an_uninterrupted_run(tmp_path, tiny_llama):
 # -- the rule --------------------------------------------------------------------------------------
 
 def test_rule_reruns_on_sampling_changes_only(tmp_path, tiny_llama):
-    ws = copy_workflow(tmp_path / "ws")
-    chats = tiny.make_chats(ws / "chats.jsonl", n=6)
+    ws = copy_workflow(tmp_path)
+    chats = tiny.make_chats(ws / "chats.jsonl", n=12)
     write_config(ws, {
         "run_name": "tiny",
         "target": {"model": str(tiny_llama), "build": None, "deploy_name": "tiny/llama"},
-        "data": {"path": str(chats), "max_length": 96, "eval_fraction": 0.3},
+        "data": {"path": str(chats), "max_length": 256, "eval_fraction": 0.5},
         "draft": {"vocab_size": 64},
         "extract": {"backend": "hf", "device": "cpu", "batch_size": 4},
-        "regenerate": {"enabled": True, "max_new_tokens": 8, "on_loop": "keep", "eval_prompts": str(chats)},
+        "regenerate": {"enabled": True, "max_new_tokens": 8, "on_loop": "keep", "eval_prompts": str(chats),
+                       "turns": "first"},
     })
     jobs, reasons, _ = dry_run(ws)
     assert jobs["regenerate_responses"] == 1 and "regenerate_responses" in reasons["output files have to be generated"]
     snakemake(ws, "results/tiny/data/train.jsonl")
-    jobs, _, _ = dry_run(ws, "results/tiny/data/train.jsonl")
-    assert not jobs
+    jobs, _, _ = dry_run(ws)
+    assert "regenerate_responses" not in jobs and "prepare_data" not in jobs
     jobs, reasons, out = dry_run(ws, "--config", 'regenerate={"enabled": true, "max_new_tokens": 8, '
-                                 '"on_loop": "keep", "eval_prompts": "' + str(chats) + '", "temperature": 0.9}')
+                                 '"on_loop": "keep", "eval_prompts": "' + str(chats) + '", "turns": "first", '
+                                 '"temperature": 0.9}')
     assert {"regenerate_responses", "prepare_data"} <= set(jobs), out
     assert any("regenerate_responses" in rules for reason, rules in reasons.items() if "params" in reason.lower()), out
     jobs, _, out = dry_run(ws, "--config", 'train={"lr": 0.002}')
