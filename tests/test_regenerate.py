@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from transformers import AutoTokenizer
@@ -18,9 +20,9 @@ from eaglepipe import prepare_data
 from eaglepipe.chat_data import Chat, iter_chats
 from eaglepipe.chat_template import encode_prompt
 from eaglepipe.degenerate import distinct_ngram_share, is_loop
-from eaglepipe.generation import Finished
+from eaglepipe.generation import Finished, Sampling, VLLMGenerator
 from eaglepipe.regenerate_responses import (
-    Mode, Regenerator, Settings, assemble, batched_parts, pick_mode, read_mtbench,
+    Mode, Regenerator, Settings, assemble, batched_parts, pick_mode, read_mtbench, request_seed,
 )
 from eaglepipe.tokenized_samples import iter_tokenized
 from workflow import REPO, copy_workflow, dry_run, snakemake, write_config
@@ -285,6 +287,65 @@ def test_mtbench_questions_are_the_80_two_turn_prompts():
     questions = list(read_mtbench())
     assert len(questions) == 80 and len({q.id for q in questions}) == 80
     assert all([m["role"] for m in q.messages] == ["user", "user"] for q in questions)
+
+
+class FakeVLLM:
+    """``llm_engine.add_request`` + ``step()`` as vLLM's offline engine: each step finishes a random
+    subset of the queued requests (FINAL_ONLY outputs, the stop token in ``token_ids``); the answer
+    depends on the request's seed only, as a seeded sampler's would."""
+
+    def __init__(self, tok, finish_per_step: int, seed: int = 0):
+        self.tok, self.n, self.rng = tok, finish_per_step, random.Random(seed)
+        self.queue, self.params, self.events = {}, {}, []
+        self.llm_engine = self
+
+    def add_request(self, request_id, prompt, params):
+        assert request_id not in self.queue
+        self.queue[request_id] = params
+        self.params[request_id] = params
+        self.events.append(("add", request_id))
+
+    def step(self):
+        assert self.queue, "step() with nothing queued would block forever in vLLM"
+        rids = list(self.queue)
+        self.rng.shuffle(rids)
+        out = []
+        for rid in rids[: self.n]:
+            params = self.queue.pop(rid)
+            text = " ".join(random.Random(params.seed).sample(tiny.WORDS, 4)) + "."
+            ids = self.tok.encode(text, add_special_tokens=False) + [STOP]
+            out.append(SimpleNamespace(request_id=rid, finished=True,
+                                       outputs=[SimpleNamespace(token_ids=ids, finish_reason="stop")]))
+            self.events.append(("done", rid))
+        return out + [SimpleNamespace(request_id="unfinished-noise", finished=False, outputs=[])]
+
+
+def run_fake_vllm(tmp_path, tok, items, finish_per_step):
+    engine = FakeVLLM(tok, finish_per_step)
+    sampling = Sampling(0.7, 0.9, 64, (STOP,))
+    gen = VLLMGenerator(engine, sampling, SimpleNamespace)
+    s = settings(temperature=0.7, top_p=0.9)
+    parts = Regenerator(gen, tok, s, tmp_path / "parts", 4).run(batched_parts("train", iter(items), s, 4),
+                                                                 _NoProgress())
+    assemble(parts, tmp_path / "parts", tmp_path / "out.jsonl")
+    return (tmp_path / "out.jsonl").read_text(), engine
+
+
+def test_vllm_request_stream_answers_reach_their_conversations_in_any_order(tmp_path, tok):
+    items = [chat(f"c{i}", *[("user", f"question {j} of {i}?") for j in range(1 + i % 3)]) for i in range(12)]
+    streamed, engine = run_fake_vllm(tmp_path / "a", tok, items, finish_per_step=3)
+    serial, _ = run_fake_vllm(tmp_path / "b", tok, items, finish_per_step=1)
+    assert streamed == serial
+    assert len(streamed.splitlines()) == 12
+    for rid, params in engine.params.items():
+        set_name, part, pos, turn = rid.split("-")
+        cid = f"c{int(part) * 4 + int(pos)}"
+        assert (params.seed, params.temperature, params.top_p, params.max_tokens, params.stop_token_ids) == (
+            request_seed(0, cid, int(turn)), 0.7, 0.9, 64, [STOP])
+    # a conversation's next turn is added as soon as its answer is back, while others still run
+    order = engine.events
+    first_next_turn = min(i for i, (kind, rid) in enumerate(order) if kind == "add" and rid.endswith("-1"))
+    assert first_next_turn < max(i for i, (kind, rid) in enumerate(order) if kind == "done" and rid.endswith("-0"))
 
 
 # -- the CLI with a real (tiny, random) target on transformers ------------------------------------

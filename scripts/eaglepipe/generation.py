@@ -18,6 +18,7 @@ from __future__ import annotations
 import gc
 import os
 from collections import deque
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -92,32 +93,34 @@ class HFGenerator:
 
 
 class VLLMGenerator:
-    def __init__(self, model: str, sampling: Sampling, dtype: str, tensor_parallel_size: int = 1,
-                 max_model_len: int = 8192, gpu_memory_utilization: float = 0.9, enforce_eager: bool = False,
-                 revision: str | None = None, trust_remote_code: bool = False):
+    """``load`` starts the engine; the constructor takes one already made (tests give a stand-in)."""
+
+    def __init__(self, llm, sampling: Sampling, make_params):
+        self.llm, self.engine, self.sampling, self.make_params = llm, llm.llm_engine, sampling, make_params
+
+    @classmethod
+    def load(cls, model: str, sampling: Sampling, dtype: str, tensor_parallel_size: int = 1,
+             max_model_len: int = 8192, gpu_memory_utilization: float = 0.9, enforce_eager: bool = False,
+             revision: str | None = None, trust_remote_code: bool = False) -> "VLLMGenerator":
         # the engine settings verified on the H200 (shared/device/README.md), as in extract_vllm
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         from vllm import LLM, SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        self.llm = LLM(
+        llm = LLM(
             model=model, revision=revision, trust_remote_code=trust_remote_code, skip_tokenizer_init=True,
             dtype=dtype, tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
             gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager, seed=0,
         )
-        self.engine = self.llm.llm_engine
-        self.sampling = sampling
-        self._params = SamplingParams
-        self._final_only = RequestOutputKind.FINAL_ONLY
+        # detokenize=False: the engine has no tokenizer (skip_tokenizer_init); we decode ourselves
+        return cls(llm, sampling, partial(SamplingParams, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY))
 
     def submit(self, request_id: str, prompt_ids: list[int], seed: int) -> None:
         s = self.sampling
-        # detokenize=False: the engine has no tokenizer (skip_tokenizer_init); we decode ourselves.
-        # stop_token_ids given explicitly: without a tokenizer vLLM knows only generation_config's.
-        params = self._params(temperature=s.temperature, top_p=s.top_p, seed=seed, max_tokens=s.max_new_tokens,
-                              stop_token_ids=list(s.stop_token_ids), detokenize=False,
-                              output_kind=self._final_only)
+        # stop_token_ids given explicitly: without a tokenizer vLLM knows only generation_config's
+        params = self.make_params(temperature=s.temperature, top_p=s.top_p, seed=seed, max_tokens=s.max_new_tokens,
+                                  stop_token_ids=list(s.stop_token_ids))
         self.engine.add_request(request_id, {"prompt_token_ids": prompt_ids}, params)
 
     def step(self) -> list[Finished]:

@@ -41,6 +41,8 @@ from itertools import islice
 from pathlib import Path
 from typing import Iterator, NamedTuple
 
+from jinja2 import TemplateError
+
 from eaglepipe import tokenized_samples
 from eaglepipe.atomic import atomic_path, read_json_object, remove_stale_temporaries, write_json
 from eaglepipe.chat_data import Chat, Skip, iter_chats
@@ -154,6 +156,10 @@ class Part:
     def file(self, parts_dir: Path) -> Path:
         return parts_dir / self.set_name / f"{self.index:06d}-{self.key[:16]}.json"
 
+    def release(self) -> None:
+        """Forget the conversations once the part is on disk: only its file name is needed later."""
+        self.items = self.conversations = None
+
 
 def part_key(settings: Settings, set_name: str, items: list[Chat | Skip]) -> str:
     h = hashlib.sha256(f"{PART_FORMAT}\x00{set_name}\x00{settings.key()}".encode())
@@ -230,7 +236,7 @@ class Regenerator:
         conv.history += [m for m in messages[start:conv.user_turns[turn] + 1] if m["role"] != "assistant"]
         try:
             prompt = encode_prompt(self.tok, conv.history, conv.mode.chat_template_kwargs)
-        except Exception as e:  # a template that raises on this conversation: a counted failure
+        except (TemplateError, TypeError, ValueError) as e:  # raise_exception() and template bugs: one conversation
             conv.end = f"failed: chat template: {type(e).__name__}: {e}"
             return False
         if len(prompt) + self.settings.max_new_tokens > self.settings.max_model_len:
@@ -314,6 +320,7 @@ class Regenerator:
         stats["skipped"] = sum(stats["skipped_by_reason"].values())
         write_json(part.file(self.parts_dir), {"format": PART_FORMAT, "key": part.key,
                                                "records": records, "stats": stats})
+        part.release()
         self.written += 1
 
     def _reusable(self, part: Part) -> bool:
@@ -337,6 +344,7 @@ class Regenerator:
                     break
                 done.append(part)
                 if self._reusable(part):
+                    part.release()
                     self.reused += 1
                     continue
                 self._start_part(part)
@@ -440,7 +448,7 @@ def parse_modes(text: str) -> tuple[Mode, ...]:
 
 def make_generator(args, sampling: Sampling):
     if args.backend == "vllm":
-        return VLLMGenerator(args.model, sampling, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
+        return VLLMGenerator.load(args.model, sampling, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
                              max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
                              enforce_eager=args.enforce_eager, revision=args.revision,
                              trust_remote_code=args.trust_remote_code)
