@@ -86,7 +86,7 @@ def main():
 
     def ours():
         with tempfile.TemporaryDirectory() as parts_dir, TokenProgress(None, "ours") as progress:
-            regen = Regenerator(gen, tok, settings, Path(parts_dir), args.batch_size)
+            regen = Regenerator(gen, tok, settings, Path(parts_dir))
             regen.run(batched_parts("train", (c for c in chats if c.id in keep), settings, args.batch_size), progress)
             return progress.tokens, progress.seconds
 

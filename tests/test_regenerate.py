@@ -48,6 +48,8 @@ REWRITING_TEMPLATE = (
 class Scripted:
     """A generator that answers from a script: ``answer(conversation, turn, prompt)`` -> (text, finish_reason)."""
 
+    lookahead = 1
+
     def __init__(self, tokenizer, answer):
         self.tok, self.answer = tokenizer, answer
         self.queue, self.prompts = [], {}
@@ -79,7 +81,7 @@ def run_scripted(tmp_path, tok, items, answer, batch_size=4, **changes):
     """Regenerate ``items`` with a scripted generator: (records, stats, the generator)."""
     gen = Scripted(tok, answer)
     s = settings(**changes)
-    regen = Regenerator(gen, tok, s, tmp_path / "parts", batch_size)
+    regen = Regenerator(gen, tok, s, tmp_path / "parts")
     parts = regen.run(batched_parts("train", iter(items), s, batch_size), _NoProgress())
     stats = assemble(parts, tmp_path / "parts", tmp_path / "out.jsonl")
     records = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
@@ -325,7 +327,7 @@ def run_fake_vllm(tmp_path, tok, items, finish_per_step):
     sampling = Sampling(0.7, 0.9, 64, (STOP,))
     gen = VLLMGenerator(engine, sampling, SimpleNamespace)
     s = settings(temperature=0.7, top_p=0.9)
-    parts = Regenerator(gen, tok, s, tmp_path / "parts", 4).run(batched_parts("train", iter(items), s, 4),
+    parts = Regenerator(gen, tok, s, tmp_path / "parts").run(batched_parts("train", iter(items), s, 4),
                                                                  _NoProgress())
     assemble(parts, tmp_path / "parts", tmp_path / "out.jsonl")
     return (tmp_path / "out.jsonl").read_text(), engine

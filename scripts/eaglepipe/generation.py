@@ -55,6 +55,10 @@ def stop_token_ids(tokenizer, model: str, revision: str | None, trust_remote_cod
 
 
 class HFGenerator:
+    # conversations worth keeping open: it runs one request at a time, so more would only delay
+    # the parts (the resume points) without speeding anything up
+    lookahead = 1
+
     def __init__(self, model: str, sampling: Sampling, device: str = "cpu", dtype: str = "float32",
                  revision: str | None = None, trust_remote_code: bool = False):
         from transformers import AutoModelForCausalLM
@@ -94,6 +98,10 @@ class HFGenerator:
 
 class VLLMGenerator:
     """``load`` starts the engine; the constructor takes one already made (tests give a stand-in)."""
+
+    # conversations kept open: well above the scheduler's batch (max_num_seqs, 1024 at most by
+    # default) so it stays full while conversations wait for their next turn and parts finish
+    lookahead = 4096
 
     def __init__(self, llm, sampling: Sampling, make_params):
         self.llm, self.engine, self.sampling, self.make_params = llm, llm.llm_engine, sampling, make_params

@@ -217,9 +217,8 @@ def build_samples(conversation: Conversation) -> list[tuple[list[int], list[int]
 class Regenerator:
     """Feeds conversations to a generator turn by turn and writes each part when its last one ends."""
 
-    def __init__(self, generator, tokenizer, settings: Settings, parts_dir: Path, batch_size: int):
-        self.gen, self.tok, self.settings = generator, tokenizer, settings
-        self.parts_dir, self.batch_size = parts_dir, batch_size
+    def __init__(self, generator, tokenizer, settings: Settings, parts_dir: Path):
+        self.gen, self.tok, self.settings, self.parts_dir = generator, tokenizer, settings, parts_dir
         self.requests: dict[str, tuple[Part, int]] = {}
         self.open_conversations = 0
         self.reused = self.written = 0
@@ -336,8 +335,7 @@ class Regenerator:
         feed = iter(parts)
         fed_all = False
         while True:
-            # keep about one batch of conversations in the engine beyond the one finishing
-            while not fed_all and self.open_conversations < self.batch_size:
+            while not fed_all and self.open_conversations < self.gen.lookahead:
                 part = next(feed, None)
                 if part is None:
                     fed_all = True
@@ -479,7 +477,7 @@ def regenerate(args) -> dict:
             yield from batched_parts(name, items, settings, args.batch_size)
 
     generator = make_generator(args, Sampling(args.temperature, args.top_p, args.max_new_tokens, stops))
-    regen = Regenerator(generator, tokenizer, settings, args.parts_dir, args.batch_size)
+    regen = Regenerator(generator, tokenizer, settings, args.parts_dir)
     with TokenProgress(None, "regenerate") as progress:
         parts = regen.run(all_parts(), progress)
     generator.close()
