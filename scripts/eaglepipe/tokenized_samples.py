@@ -1,7 +1,8 @@
 """Token-exact samples: the file regenerate_responses writes and prepare_data takes as it is.
 
 One JSON object per line: ``id`` (unique), ``conversation`` (the source conversation's id: the
-train/eval split is drawn by it, so all samples of one conversation land in the same split),
+train/eval split is drawn by it, so all samples of one conversation land in the same split, the
+one prepare_data gives the original chat: regenerated and original data split alike),
 ``input_ids``, ``loss_mask`` (1 on the tokens the target generated), and fields for people that
 readers ignore (``mode``, ``answers``). Nothing is re-tokenized, so no mask can shift.
 """
