@@ -28,11 +28,11 @@ os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 
 from eaglepipe.chat_data import Chat  # noqa: E402
-from eaglepipe.chat_template import encode_prompt, template_digest  # noqa: E402
+from eaglepipe.chat_template import ChatTemplate  # noqa: E402
 from eaglepipe.generation import Sampling, VLLMGenerator, stop_token_ids  # noqa: E402
 from eaglepipe.progress import TokenProgress  # noqa: E402
 from eaglepipe.regenerate_responses import (  # noqa: E402
-    Mode, Regenerator, Settings, batched_parts, read_set, request_seed,
+    Mode, Regenerator, Settings, batched_parts, mode_templates, read_set, request_seed,
 )
 
 
@@ -58,18 +58,21 @@ def main():
 
     tok = AutoTokenizer.from_pretrained(args.model)
     stops = stop_token_ids(tok, args.model, None, False)
+    modes = (Mode("default", 1.0, {}),)
+    templates = mode_templates(tok, None, modes)
+    template = templates["default"]
     chats = [c for c, _ in zip((c for c in read_set(args.data) if isinstance(c, Chat)), range(args.max_samples))]
     first_turns = []
     for c in chats:
         users = [i for i, m in enumerate(c.messages) if m["role"] == "user"]
         if users:
             history = [m for m in c.messages[: users[0] + 1] if m["role"] != "assistant"]
-            first_turns.append((c.id, encode_prompt(tok, history, {})))
+            first_turns.append((c.id, template.prompt_ids(history, c.tools)))
     first_turns = [(cid, ids) for cid, ids in first_turns if len(ids) + args.max_new_tokens <= args.max_model_len]
     settings = Settings(
-        model=args.model, revision=None, template_digest=template_digest(tok), backend="vllm", turns="first",
+        model=args.model, revision=None, template_digests=(template.digest(),), backend="vllm", turns="first",
         temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
-        max_model_len=args.max_model_len, seed=args.seed, modes=(Mode("default", 1.0, {}),), stop_token_ids=stops,
+        max_model_len=args.max_model_len, seed=args.seed, modes=modes, stop_token_ids=stops,
         on_truncated="keep", on_loop="keep", loop_ngram=8, loop_min_distinct_share=0.5)
     gen = VLLMGenerator.load(args.model, Sampling(args.temperature, args.top_p, args.max_new_tokens, stops),
                         dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
@@ -86,7 +89,7 @@ def main():
 
     def ours():
         with tempfile.TemporaryDirectory() as parts_dir, TokenProgress(None, "ours") as progress:
-            regen = Regenerator(gen, tok, settings, Path(parts_dir))
+            regen = Regenerator(gen, templates, settings, Path(parts_dir))
             regen.run(batched_parts("train", (c for c in chats if c.id in keep), settings, args.batch_size), progress)
             return progress.tokens, progress.seconds
 

@@ -2,6 +2,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -10,6 +11,7 @@ from snakemake.utils import validate
 
 REPO = Path(workflow.basedir)
 sys.path.insert(0, str(REPO / "scripts"))
+from eaglepipe.atomic import sha256_file
 from eaglepipe.code_digest import code_digest as _code_digest
 from eaglepipe.config_check import coerce_cli_strings, config_errors, load_schema
 
@@ -30,6 +32,12 @@ STAGE_ENV = (
 )
 # `exec` so that signals reach Python; a rule appends `.<module> <arguments>`.
 STAGE = f"{STAGE_ENV} exec python -m eaglepipe"
+# In front of STAGE in the rules that start vLLM: its cache root (vllm/envs.py of vLLM 0.26.0),
+# where the torch.compile artifacts persist across runs.
+VLLM_CACHE_ROOT = (
+    config["vllm"]["cache_dir"] or f"results/{config['run_name']}/vllm-cache"
+)
+VLLM_ENV = f"VLLM_CACHE_ROOT={shlex.quote(VLLM_CACHE_ROOT)}"
 
 
 wildcard_constraints:
@@ -64,6 +72,35 @@ def data_input(wildcards=None):
     return [] if path.startswith("package:") else path
 
 
+def chat_template_input(wildcards=None):
+    path = config["data"]["chat_template"]
+    if path and not Path(path).is_file():
+        raise WorkflowError(f"data.chat_template: template file {path} does not exist")
+    return path or []
+
+
+def chat_template_sha256():
+    """The override's content as a param: an edit reruns prepare_data even when the file's mtime does not
+    change it (a checkout can write an old mtime)."""
+    path = config["data"]["chat_template"]
+    return sha256_file(path) if path else None
+
+
+def chat_template_flags():
+    """The template override and kwargs as prepare_data takes them, shell-quoted (as params, a
+    change of either reruns prepare_data and what follows)."""
+    data = config["data"]
+    flags = ["--rerendered-turns", data["rerendered_turns"]]
+    if data["chat_template"]:
+        flags += ["--chat-template", data["chat_template"]]
+    if data["chat_template_kwargs"]:
+        flags += [
+            "--chat-template-kwargs",
+            json.dumps(data["chat_template_kwargs"], sort_keys=True),
+        ]
+    return " ".join(shlex.quote(f) for f in flags)
+
+
 def trust_flag():
     return "--trust-remote-code" if config["target"]["trust_remote_code"] else ""
 
@@ -89,6 +126,27 @@ def num_speculative_tokens():
     return config["export"]["num_speculative_tokens"] or config["train"]["ttt_steps"]
 
 
+def parity_k():
+    """The K whose concurrency-1 serving window the parity check replays."""
+    bs = config["benchmark_serving"]
+    k = bs["parity"]["k"] or num_speculative_tokens()
+    if k not in bs["k"]:
+        raise WorkflowError(
+            f"benchmark_serving.parity.k (or the export's K) {k} is not among benchmark_serving.k {bs['k']}"
+        )
+    if 1 not in bs["concurrency"]:
+        raise WorkflowError(
+            f"benchmark_serving.concurrency {bs['concurrency']} must contain 1: the parity check "
+            "replays the concurrency-1 window"
+        )
+    return k
+
+
+def serving_list_arg(key):
+    """A benchmark_serving list as the CLI takes it: comma-separated."""
+    return ",".join(str(v) for v in config["benchmark_serving"][key])
+
+
 def replica_parts(wildcards):
     r = config["extract"]["replicas"]
     return expand(
@@ -108,7 +166,7 @@ def final_outputs():
         "report/data_stats.svg",
     ]
     if config["benchmark_serving"]["enabled"]:
-        out.append("eval/serving.json")
+        out += ["eval/serving.json", "eval/parity.json", "report/serving.svg"]
     return expand("results/{run}/{path}", run=config["run_name"], path=out)
 
 
@@ -125,6 +183,22 @@ def prepare_data_source(wildcards, input):
     if config["regenerate"]["enabled"]:
         return f"--pretokenized --data {input.data}"
     return f"--data {config['data']['path']} --max-samples {config['data']['max_samples'] or 0}"
+
+
+def regenerate_modes():
+    """regenerate.modes as the CLI takes them: data.chat_template_kwargs under each mode's own."""
+    base = config["data"]["chat_template_kwargs"]
+    modes = [
+        {**m, "chat_template_kwargs": {**base, **m["chat_template_kwargs"]}}
+        for m in config["regenerate"]["modes"]
+    ]
+    return json.dumps(modes, sort_keys=True)
+
+
+def regenerate_template_flag():
+    """The template override, which regeneration uses only for a tokenizer without a template."""
+    path = config["data"]["chat_template"]
+    return f"--chat-template {shlex.quote(path)}" if path else ""
 
 
 def regenerate_gpus():

@@ -24,6 +24,7 @@ rule prepare_data:
     input:
         data=prepare_data_input(),
         model=target_input(),
+        chat_template=chat_template_input(),
     output:
         train="results/{run}/data/train.jsonl",
         eval="results/{run}/data/eval.jsonl",
@@ -47,6 +48,8 @@ rule prepare_data:
         too_long=config["data"]["too_long"],
         eval_fraction=config["data"]["eval_fraction"],
         seed=config["data"]["seed"],
+        template=chat_template_flags(),
+        template_sha256=chat_template_sha256(),
         trust=trust_flag(),
         revision=revision_flag(),
         outdir=lambda wc, output: os.path.dirname(output.train),
@@ -56,7 +59,7 @@ rule prepare_data:
         "{params.data} --model {params.model} {params.revision} "
         "{params.trust} --out-dir {params.outdir} "
         "--max-length {params.max_length} --too-long {params.too_long} "
-        "--eval-fraction {params.eval_fraction} --seed {params.seed} > {log} 2>&1"
+        "--eval-fraction {params.eval_fraction} --seed {params.seed} {params.template} > {log} 2>&1"
 
 
 rule vocab_mapping:

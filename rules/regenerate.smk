@@ -6,6 +6,7 @@ rule regenerate_responses:
     input:
         data=data_input(),
         model=target_input(),
+        chat_template=chat_template_input(),
     output:
         chats=REGENERATED,
         eval_prompts="results/{run}/regenerated/eval_prompts.jsonl",
@@ -44,7 +45,9 @@ rule regenerate_responses:
         top_p=config["regenerate"]["top_p"],
         max_new_tokens=config["regenerate"]["max_new_tokens"],
         seed=config["regenerate"]["seed"],
-        modes=json.dumps(config["regenerate"]["modes"], sort_keys=True),
+        modes=regenerate_modes(),
+        template=regenerate_template_flag(),
+        template_sha256=chat_template_sha256(),
         on_truncated=config["regenerate"]["on_truncated"],
         on_loop=config["regenerate"]["on_loop"],
         loop_ngram=config["regenerate"]["loop_ngram"],
@@ -53,7 +56,7 @@ rule regenerate_responses:
         parts=lambda wc, output: os.path.join(os.path.dirname(output.chats), "parts"),
         code=code_digest("regenerate_responses"),
     shell:
-        f"{STAGE}.regenerate_responses "
+        f"{VLLM_ENV} {STAGE}.regenerate_responses "
         "--data {params.data} --out {output.chats} --eval-prompts {params.eval_prompts} "
         "--eval-out {output.eval_prompts} --stats {output.stats} --parts-dir {params.parts} "
         "--model {params.model} {params.revision} {params.trust} --backend {params.backend} "
@@ -61,6 +64,6 @@ rule regenerate_responses:
         "--max-model-len {params.max_model_len} --gpu-memory-utilization {params.gpu_util} {params.eager} "
         "--max-samples {params.max_samples} --turns {params.turns} --temperature {params.temperature} "
         "--top-p {params.top_p} --max-new-tokens {params.max_new_tokens} --seed {params.seed} "
-        "--modes {params.modes:q} --on-truncated {params.on_truncated} --on-loop {params.on_loop} "
+        "--modes {params.modes:q} {params.template} --on-truncated {params.on_truncated} --on-loop {params.on_loop} "
         "--loop-ngram {params.loop_ngram} --loop-min-distinct-share {params.loop_share} "
         "--batch-size {params.batch_size} > {log} 2>&1"

@@ -93,3 +93,7 @@ def test_cli_strings_are_typed_by_the_schema():
     assert cfg["export"]["num_speculative_tokens"] is None
     assert cfg["extract"]["layer_ids"] == [2, 4]
     assert cfg["run_name"] == "123"  # strings stay strings where the schema wants one
+    # --config 'data={"chat_template_kwargs": {"thinking": false}}': a template sees False, not "false"
+    cfg = {"data": {"path": "x", "chat_template_kwargs": {"thinking": "false", "name": "kimi"}}}
+    coerce_cli_strings(cfg, load_schema(SCHEMA))
+    assert cfg["data"]["chat_template_kwargs"] == {"thinking": False, "name": "kimi"}

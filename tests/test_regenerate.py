@@ -18,11 +18,11 @@ from transformers import AutoTokenizer
 import tiny
 from eaglepipe import prepare_data
 from eaglepipe.chat_data import Chat, iter_chats
-from eaglepipe.chat_template import encode_prompt
+from eaglepipe.chat_template import ChatTemplate
 from eaglepipe.degenerate import distinct_ngram_share, is_loop
 from eaglepipe.generation import Finished, Sampling, VLLMGenerator
 from eaglepipe.regenerate_responses import (
-    Mode, Regenerator, Settings, assemble, batched_parts, pick_mode, read_mtbench, request_seed,
+    Mode, Regenerator, Settings, assemble, batched_parts, mode_templates, pick_mode, read_mtbench, request_seed,
 )
 from eaglepipe.tokenized_samples import iter_tokenized
 from workflow import REPO, copy_workflow, dry_run, snakemake, write_config
@@ -70,7 +70,7 @@ class Scripted:
 
 
 def settings(**changes) -> Settings:
-    base = dict(model="m", revision=None, template_digest="t", backend="scripted", turns="all", temperature=0.0,
+    base = dict(model="m", revision=None, template_digests=("t",), backend="scripted", turns="all", temperature=0.0,
                 top_p=1.0, max_new_tokens=64, max_model_len=4096, seed=0,
                 modes=(Mode("default", 1.0, {}),), stop_token_ids=(STOP,), on_truncated="keep", on_loop="drop",
                 loop_ngram=4, loop_min_distinct_share=0.5)
@@ -81,7 +81,7 @@ def run_scripted(tmp_path, tok, items, answer, batch_size=4, **changes):
     """Regenerate ``items`` with a scripted generator: (records, stats, the generator)."""
     gen = Scripted(tok, answer)
     s = settings(**changes)
-    regen = Regenerator(gen, tok, s, tmp_path / "parts")
+    regen = Regenerator(gen, mode_templates(tok, None, s.modes), s, tmp_path / "parts")
     parts = regen.run(batched_parts("train", iter(items), s, batch_size), _NoProgress())
     stats = assemble(parts, tmp_path / "parts", tmp_path / "out.jsonl")
     records = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
@@ -96,6 +96,10 @@ class _NoProgress:
 @pytest.fixture(scope="module")
 def tok(tiny_llama):
     return AutoTokenizer.from_pretrained(tiny_llama)
+
+
+def prompt_ids(tok, messages):
+    return ChatTemplate(tok).prompt_ids(messages)
 
 
 def chat(cid, *turns):
@@ -121,9 +125,8 @@ def test_multi_turn_prefix_is_the_regenerated_history_and_masks_are_the_answers(
              ("user", "and then?"), ("assistant", "ORIGINAL two"))
     records, stats, gen = run_scripted(tmp_path, tok, [c], lambda pos, turn, prompt: (ANSWERS[turn], "stop"))
 
-    first = encode_prompt(tok, c.messages[:2], {})
-    second = encode_prompt(tok, c.messages[:2] + [{"role": "assistant", "content": ANSWERS[0]},
-                                                  c.messages[3]], {})
+    first = prompt_ids(tok, c.messages[:2])
+    second = prompt_ids(tok, c.messages[:2] + [{"role": "assistant", "content": ANSWERS[0]}, c.messages[3]])
     assert gen.prompts["train-0-0-0"] == first
     assert gen.prompts["train-0-0-1"] == second
     assert "ORIGINAL" not in tok.decode(second)
@@ -144,7 +147,7 @@ def test_first_turn_only(tmp_path, tok):
                                    turns="first")
     assert list(gen.prompts) == ["train-0-0-0"]
     [rec] = records
-    assert rec["input_ids"] == encode_prompt(tok, c.messages[:1], {}) + tok.encode(ANSWERS[0]) + [STOP]
+    assert rec["input_ids"] == prompt_ids(tok, c.messages[:1]) + tok.encode(ANSWERS[0]) + [STOP]
 
 
 def test_history_the_template_rewrites_starts_a_sample_of_its_own(tmp_path, tiny_llama):
@@ -189,6 +192,24 @@ def test_the_thinking_switch_reaches_the_template(tmp_path):
     by_mode = stats["by_mode"]
     assert set(by_mode) == {"think", "no_think"} and all(m["kept"] > 0 for m in by_mode.values())
     assert sum(m["kept"] for m in by_mode.values()) == stats["kept"] == 24
+
+
+class RecordingTemplate(ChatTemplate):
+    seen: list
+
+    def prompt_ids(self, messages, tools=None):
+        self.seen.append([dict(m) for m in messages])
+        return super().prompt_ids(messages, tools)
+
+
+def test_thinking_answers_enter_the_history_as_reasoning_content(tmp_path, tok):
+    template = RecordingTemplate(tok)
+    template.seen = []
+    s = settings()
+    c = chat("c0", ("user", "what is it?"), ("user", "and then?"))
+    Regenerator(Scripted(tok, lambda *_: ("<think>the word.</think>water is new.", "stop")), {"default": template},
+                s, tmp_path / "parts").run(batched_parts("train", iter([c]), s, 4), _NoProgress())
+    assert template.seen[1][1] == {"role": "assistant", "content": "water is new.", "reasoning_content": "the word."}
 
 
 LOOP = " ".join(["the word"] * 12)
@@ -327,7 +348,7 @@ def run_fake_vllm(tmp_path, tok, items, finish_per_step):
     sampling = Sampling(0.7, 0.9, 64, (STOP,))
     gen = VLLMGenerator(engine, sampling, SimpleNamespace)
     s = settings(temperature=0.7, top_p=0.9)
-    parts = Regenerator(gen, tok, s, tmp_path / "parts").run(batched_parts("train", iter(items), s, 4),
+    parts = Regenerator(gen, mode_templates(tok, None, s.modes), s, tmp_path / "parts").run(batched_parts("train", iter(items), s, 4),
                                                                  _NoProgress())
     assemble(parts, tmp_path / "parts", tmp_path / "out.jsonl")
     return (tmp_path / "out.jsonl").read_text(), engine
@@ -378,7 +399,7 @@ def test_cli_is_deterministic_and_token_exact(tmp_path, tiny_llama):
     chats = {c.id: c for c in iter_chats(str(data))}
     for rec in map(json.loads, a.splitlines()):
         c = chats[rec["conversation"]]
-        prompt = encode_prompt(tok, c.messages[: [m["role"] for m in c.messages].index("user") + 1], {})
+        prompt = prompt_ids(tok, c.messages[: [m["role"] for m in c.messages].index("user") + 1])
         completion = rec["input_ids"][len(prompt):]
         assert rec["input_ids"][: len(prompt)] == prompt
         assert rec["loss_mask"] == [0] * len(prompt) + [1] * len(completion)

@@ -104,6 +104,17 @@ def test_data_setting_reruns_from_tokenization(done_run):
     assert set(jobs) == STAGES
 
 
+def test_template_settings_rerun_from_tokenization(done_run):
+    jobs, reasons, _ = dry_run(done_run, "--config", 'data={"chat_template_kwargs": {"enable_thinking": false}}')
+    assert set(jobs) == STAGES and "prepare_data" in reasons["params have changed since last execution"]
+    template = done_run / "template.jinja"
+    template.write_text(tiny.CHATML_TEMPLATE)
+    jobs, _, _ = dry_run(done_run, "--config", f'data={{"chat_template": "{template}"}}')
+    assert set(jobs) == STAGES
+    jobs, _, _ = dry_run(done_run, "--config", 'data={"rerendered_turns": "context"}')
+    assert set(jobs) == STAGES
+
+
 def test_code_edit_reruns_that_stage_and_its_dependants(done_run):
     module = done_run / "scripts" / "eaglepipe" / "export_draft.py"
     original = module.read_text()
@@ -165,3 +176,45 @@ def test_snakefmt_is_clean():
     p = subprocess.run([sys.executable, "-m", "snakefmt", "--check", "Snakefile", "rules"],
                        capture_output=True, text=True, cwd=REPO)
     assert p.returncode == 0, p.stdout + p.stderr
+
+
+def test_h200_preset_dry_run_plans_every_stage_on_one_gpu(tmp_path):
+    ws = copy_workflow(tmp_path)
+    p = snakemake(ws, "-n", "-p", "--configfile", str(REPO / "config/presets/smollm2-h200.yaml"))
+    out = p.stdout + p.stderr
+
+    def block(rule: str) -> str:
+        b = out[out.index(f"rule {rule}:"):]
+        return b[: b.index("\n\n")]
+
+    assert "--recipe smollm2-gguf" in block("build_target")  # SmolLM2 built, as in the default
+    assert "--max-samples 6000" in block("prepare_data") and "--max-length 1024" in block("prepare_data")
+    extract = block("extract_hidden_states")
+    assert out.count("rule extract_hidden_states:") == 1 and "gpu=1" in extract
+    for flag in ("VLLM_CACHE_ROOT=results/smollm2-h200/vllm-cache ", "--backend vllm",
+                 "--tensor-parallel-size 1", "--max-model-len 2048"):
+        assert flag in extract, (flag, extract)
+    train = block("train_draft")
+    assert "gpu=1" in train and "exec python -m eaglepipe.train_draft" in train
+    for flag in ("--max-steps 1000", "--batch-tokens 8192", "--lr 0.001", "--warmup-steps 50"):
+        assert flag in train, (flag, train)
+    assert "VLLM_CACHE_ROOT=results/smollm2-h200/vllm-cache " in block("benchmark_serving")
+    assert "--draft-vocab-size 16384" in block("vocab_mapping")
+
+
+def test_serving_benchmark_plans_parity_rules(tmp_path):
+    ws = copy_workflow(tmp_path)
+    jobs, _, out = dry_run(ws, "--config", 'benchmark_serving={"enabled": true}')
+    for rule in ("benchmark_serving", "extract_parity_hidden_states", "evaluate_parity", "plot_serving"):
+        assert jobs.get(rule) == 1, (rule, out)
+    p = snakemake(ws, "-n", "-p", "--config", 'benchmark_serving={"enabled": true, "k": [2, 4]}',
+                  'export={"num_speculative_tokens": 4}')
+    cmds = {line.split("eaglepipe.")[1].split()[0]: line for line in p.stdout.splitlines() if "exec python -m" in line}
+    assert "--concurrency 1,4,16,64 --k 2,4" in cmds["benchmark_serving"]
+    assert "--parity-k 4" in cmds["benchmark_serving"]
+    parity_extract = [line for line in p.stdout.splitlines()
+                      if "eaglepipe.extract_hidden_states" in line and "/eval/parity/eval.jsonl" in line]
+    assert len(parity_extract) == 1 and "/eval/parity/shards --replica 0 --replicas 1" in parity_extract[0]
+    bad = snakemake(ws, "-n", "--config", 'benchmark_serving={"enabled": true, "k": [1, 2]}', check=False)
+    assert bad.returncode != 0
+    assert "benchmark_serving.parity.k (or the export's K) 3 is not among" in bad.stdout + bad.stderr

