@@ -3,9 +3,10 @@
 Reads the chat formats prepare_data reads (eaglepipe.chat_data). System and user turns drive the
 regeneration and the source's assistant turns are dropped: after each user turn (or only the
 first one, ``--turns first``) the target answers the running prefix, the earlier turns being its
-own earlier answers. Prompts are the target's chat template (eaglepipe.chat_template) with the
-conversation's mode's ``chat_template_kwargs`` (e.g. a thinking on/off mix); answers are the
-engine's token ids. The output (eaglepipe.tokenized_samples) keeps both token-exact, the loss mask
+own earlier answers (read back as chat_data reads an assistant turn: inline reasoning becomes
+``reasoning_content``). Prompts are rendered as vLLM serves the target (eaglepipe.chat_template:
+the tokenizer's template) with the conversation's mode's ``chat_template_kwargs`` (e.g. a thinking
+on/off mix, drawn per conversation); answers are the engine's token ids. The output (eaglepipe.tokenized_samples) keeps both token-exact, the loss mask
 on exactly the generated tokens, and the decoded answers beside them for people.
 
 A conversation becomes one sample while each turn's prompt extends the previous prompt and answer
@@ -460,10 +461,11 @@ def parse_modes(text: str) -> tuple[Mode, ...]:
 
 def make_generator(args, sampling: Sampling):
     if args.backend == "vllm":
-        return VLLMGenerator.load(args.model, sampling, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
-                             max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
-                             enforce_eager=args.enforce_eager, revision=args.revision,
-                             trust_remote_code=args.trust_remote_code)
+        return VLLMGenerator.load(args.model, sampling, dtype=args.dtype,
+                                  tensor_parallel_size=args.tensor_parallel_size, max_model_len=args.max_model_len,
+                                  gpu_memory_utilization=args.gpu_memory_utilization,
+                                  enforce_eager=args.enforce_eager, revision=args.revision,
+                                  trust_remote_code=args.trust_remote_code)
     return HFGenerator(args.model, sampling, device=args.device, dtype=args.dtype, revision=args.revision,
                        trust_remote_code=args.trust_remote_code)
 
