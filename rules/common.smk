@@ -6,21 +6,56 @@ import shlex
 import sys
 from pathlib import Path
 
+from snakemake.common.configfile import load_configfile
 from snakemake.exceptions import WorkflowError
-from snakemake.utils import validate
+from snakemake.utils import update_config, validate
 
 REPO = Path(workflow.basedir)
 sys.path.insert(0, str(REPO / "scripts"))
 from eaglepipe.atomic import sha256_file
 from eaglepipe.code_digest import code_digest as _code_digest
-from eaglepipe.config_check import coerce_cli_strings, config_errors, load_schema
+from eaglepipe.config_check import (
+    BUILT_TARGETS,
+    changed_settings,
+    coerce_cli_strings,
+    config_errors,
+    deploy_name,
+    load_schema,
+    names_target,
+    target_errors,
+)
 
 _schema = load_schema(str(REPO / "config" / "config.schema.yaml"))
 coerce_cli_strings(config, _schema)
+# The embedded default is a preset like any other: it applies only to a config that names no target,
+# under what was given. (Not a second `configfile:`: Snakemake 9 merges --configfile and --config over
+# those, so a user's own target would inherit every demo value it leaves out.)
+DEMO_PRESET = "config/presets/smollm2-demo.yaml"
+_preset = None
+if not names_target(config):
+    _preset = DEMO_PRESET
+    _given = dict(config)
+    config.clear()
+    config.update(load_configfile(REPO / DEMO_PRESET))
+    update_config(config, _given)
 _errors = config_errors(config, _schema)
+if _errors and not _preset and any("required property" in e for e in _errors):
+    _errors.append(
+        "(a config that names target.model takes nothing from the demo preset)"
+    )
 if _errors:
     raise WorkflowError("invalid configuration:\n  " + "\n  ".join(_errors))
 validate(config, "../config/config.schema.yaml")
+_errors = target_errors(config)
+if _errors:
+    raise WorkflowError("invalid configuration:\n  " + "\n  ".join(_errors))
+# Nothing silent: every setting that is not the schema's default, and where the base came from.
+print(
+    f"eaglepipe config{f' (the demo preset {_preset}, with what was given on top)' if _preset else ''}; "
+    "settings other than config/config.schema.yaml's defaults:\n  "
+    + "\n  ".join(changed_settings(config, _schema)),
+    file=sys.stderr,
+)
 
 PKG = REPO / "scripts" / "eaglepipe"
 # The command prefix of every stage. scripts/ (relative to the working directory, so moving the
@@ -101,6 +136,10 @@ def chat_template_flags():
     return " ".join(shlex.quote(f) for f in flags)
 
 
+def verifier_name():
+    return deploy_name(config["target"])
+
+
 def trust_flag():
     return "--trust-remote-code" if config["target"]["trust_remote_code"] else ""
 
@@ -161,6 +200,7 @@ def final_outputs():
     out = [
         "draft/config.json",
         "draft/model.safetensors",
+        "draft/README.md",
         "eval/offline.json",
         "report/training.svg",
         "report/data_stats.svg",

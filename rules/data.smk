@@ -1,10 +1,11 @@
-# Only when the config asks the pipeline to build the target: otherwise an existing model
-# directory must never look like this rule's output.
+# Only when the config asks the pipeline to build the target, and only into the recipe's own
+# directory (config_check.target_errors refuses any other target.model): a model directory the
+# user supplies is never the output of a rule, so no rule writes, moves or deletes it.
 if config["target"]["build"]:
 
     rule build_target:
         output:
-            directory(config["target"]["model"]),
+            directory(BUILT_TARGETS[config["target"]["build"]]),
         log:
             "results/logs/build_target.log",
         benchmark:
