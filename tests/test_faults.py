@@ -4,7 +4,11 @@ uninterrupted run with the current config produces, or with one sentence saying 
 from __future__ import annotations
 
 import json
+import logging
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +17,8 @@ from safetensors.torch import load_file
 
 import tiny
 from test_workflow import tiny_config
-from workflow import copy_workflow, kill_stage, snakemake, start_snakemake, wait_for_line, write_config
+from eaglepipe.dir_lock import dir_lock
+from workflow import REPO, copy_workflow, kill_stage, snakemake, start_snakemake, wait_for_line, write_config
 
 TIMING = ("tokens_per_s",)  # the only metrics that differ between two runs of the same settings
 
@@ -74,3 +79,49 @@ def test_killed_training_after_a_setting_change_reruns_to_the_uninterrupted_resu
     rerun = snakemake(faulted)
     assert "Nothing to be done" not in rerun.stdout + rerun.stderr
     assert_same_results(faulted / "results/tiny", reference / "results/tiny")
+
+
+HOLD = "import sys, time; from eaglepipe.dir_lock import dir_lock\nwith dir_lock(sys.argv[1]):\n    print('held', flush=True); time.sleep(600)"
+
+
+def test_two_jobs_never_write_one_directory(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(REPO / "scripts"))
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(SystemExit, match=f"{tmp_path} is being written by another job \\(process {holder.pid} "):
+            with dir_lock(tmp_path):
+                pass
+    finally:
+        holder.kill()  # kill -9: the lock file stays, naming a process that has ended
+        holder.wait()
+
+
+def test_the_lock_of_a_dead_process_is_taken_over_with_a_log_line(tmp_path, caplog):
+    env = dict(os.environ, PYTHONPATH=str(REPO / "scripts"))
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path)], stdout=subprocess.PIPE, text=True, env=env)
+    assert holder.stdout.readline().strip() == "held"
+    holder.kill()
+    holder.wait()
+    with caplog.at_level(logging.WARNING), dir_lock(tmp_path):
+        pass
+    assert f"taking over the lock of process {holder.pid}" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING), dir_lock(tmp_path):  # released cleanly last time
+        pass
+    assert "taking over" not in caplog.text
+
+
+def test_a_second_training_job_on_a_running_ones_directory_stops(tmp_path):
+    """The stage CLIs take the lock: the second job stops before touching the checkpoints."""
+    from eaglepipe import train_draft
+
+    env = dict(os.environ, PYTHONPATH=str(REPO / "scripts"))
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(SystemExit, match="is being written by another job"):
+            train_draft.main(["--manifest", "m", "--vocab", "v", "--model", "x", "--out-dir", str(tmp_path)])
+    finally:
+        holder.kill()
+        holder.wait()

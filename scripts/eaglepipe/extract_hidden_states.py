@@ -30,6 +30,7 @@ from safetensors import safe_open
 from . import shards
 from .atomic import read_json_object, remove_stale_temporaries
 from .checksum import CHECKSUM
+from .dir_lock import dir_lock
 from .layers import CONVENTION, resolve_layer_ids
 from .progress import TokenProgress
 from .writer_pool import POOLS, make_pool
@@ -397,6 +398,12 @@ def load_backend(args, layer_ids, num_hidden_layers, staging: Path | None):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    # replicas share the shard directory (disjoint batches): one lock per replica
+    with dir_lock(args.shard_dir, f".lock-replica{args.replica}"):
+        run(args)
+
+
+def run(args) -> None:
     from transformers import AutoConfig
 
     try:

@@ -19,13 +19,14 @@ import os
 import random
 import sys
 import time
-from contextlib import closing
+from contextlib import closing, nullcontext
 from pathlib import Path
 
 import torch
 
 from . import checkpoints
 from .atomic import atomic_path, sha256_file, write_json
+from .dir_lock import dir_lock
 from .layers import validate_layer_ids
 from .packed_data import PackedRows
 from .prefetch import prefetch
@@ -331,7 +332,10 @@ def train(args, stop_after: int | None = None) -> dict | None:
 def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
-    train(parse_args(argv))
+    args = parse_args(argv)
+    # one job per checkpoint directory; under torchrun rank 0 holds it for all ranks
+    with dir_lock(args.out_dir) if int(os.environ.get("RANK", "0")) == 0 else nullcontext():
+        train(args)
 
 
 if __name__ == "__main__":
