@@ -125,3 +125,18 @@ def test_a_second_training_job_on_a_running_ones_directory_stops(tmp_path):
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_a_model_directory_without_config_json_is_one_sentence(tmp_path, tiny_llama):
+    from eaglepipe import extract_hidden_states, prepare_data, train_draft
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama, model)
+    (model / "config.json").unlink()
+    sentence = f"--model {model}: the model directory has no config.json"
+    for main, argv in ((prepare_data.main, ["--data", "d", "--out-dir", str(tmp_path / "data")]),
+                       (extract_hidden_states.main, ["--train", "t", "--eval", "e", "--shard-dir", str(tmp_path / "s"),
+                                                     "--out", str(tmp_path / "p.json")]),
+                       (train_draft.main, ["--manifest", "m", "--vocab", "v", "--out-dir", str(tmp_path / "t")])):
+        with pytest.raises(SystemExit, match=sentence):
+            main(["--model", str(model), *argv])

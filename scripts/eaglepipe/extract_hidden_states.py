@@ -31,6 +31,7 @@ from . import shards
 from .atomic import read_json_object, remove_stale_temporaries
 from .checksum import CHECKSUM
 from .dir_lock import dir_lock
+from .model_dir import check_model_dir
 from .layers import CONVENTION, resolve_layer_ids
 from .progress import TokenProgress
 from .writer_pool import POOLS, make_pool
@@ -398,6 +399,7 @@ def load_backend(args, layer_ids, num_hidden_layers, staging: Path | None):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    check_model_dir(args.model)
     # replicas share the shard directory (disjoint batches): one lock per replica
     with dir_lock(args.shard_dir, f".lock-replica{args.replica}"):
         run(args)

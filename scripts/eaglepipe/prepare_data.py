@@ -21,6 +21,7 @@ from tqdm import tqdm
 from eaglepipe.atomic import atomic_path, write_json
 from eaglepipe.chat_data import Skip, iter_chats
 from eaglepipe.chat_template import TemplateSkip, encode_chat, template_digest
+from eaglepipe.model_dir import check_model_dir
 
 EXAMPLES_PER_REASON = 5
 HISTOGRAM_BINS = 20
@@ -191,6 +192,7 @@ def main(argv=None):
         p.error(f"--max-length must be >= 1, got {args.max_length}")
     if not 0 < args.eval_fraction < 1:
         p.error(f"--eval-fraction must be between 0 and 1 (exclusive), got {args.eval_fraction}")
+    check_model_dir(args.model)
     prepare(args)
 
 

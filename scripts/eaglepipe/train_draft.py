@@ -27,6 +27,7 @@ import torch
 from . import checkpoints
 from .atomic import atomic_path, sha256_file, write_json
 from .dir_lock import dir_lock
+from .model_dir import check_model_dir
 from .layers import validate_layer_ids
 from .packed_data import PackedRows
 from .prefetch import prefetch
@@ -333,6 +334,7 @@ def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     args = parse_args(argv)
+    check_model_dir(args.model)
     # one job per checkpoint directory; under torchrun rank 0 holds it for all ranks
     with dir_lock(args.out_dir) if int(os.environ.get("RANK", "0")) == 0 else nullcontext():
         train(args)
