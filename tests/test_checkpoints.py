@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -125,3 +126,15 @@ def test_a_planted_pickle_never_runs(draft, tmp_path, caplog):
         ckpt, _, _ = checkpoints.find_resume(tmp_path, "d1")
     assert not marker.exists(), "the planted pickle ran"
     assert ckpt.name == "step-0000001" and "cannot be loaded as plain data" in caplog.text
+
+
+def test_a_full_disk_while_checkpointing_names_the_directory(draft, tmp_path, monkeypatch):
+    def no_space(*_, **__):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(torch, "save", no_space)
+    root = tmp_path / "checkpoints"
+    with pytest.raises(SystemExit, match=f"cannot write checkpoint {root}/step-0000003: No space left on device; "
+                                         f"free space in {root}"):
+        checkpoints.save(tmp_path, 3, draft, state(step=3), [])
+    assert not list(root.glob(".tmp-*"))  # the half-written checkpoint is gone

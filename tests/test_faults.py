@@ -3,7 +3,6 @@ uninterrupted run with the current config produces, or with one sentence saying 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -12,15 +11,12 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
 import tiny
-from test_workflow import tiny_config
 from eaglepipe.dir_lock import dir_lock
-from workflow import REPO, copy_workflow, kill_stage, snakemake, start_snakemake, wait_for_line, write_config
-
-TIMING = ("tokens_per_s",)  # the only metrics that differ between two runs of the same settings
+from test_workflow import tiny_config
+from workflow import (REPO, copy_workflow, differences, kill_stage, snakemake, start_snakemake, wait_for_line,
+                      write_config)
 
 
 def config(target: Path, chats: Path, **train) -> dict:
@@ -46,21 +42,6 @@ def clone(ws: Path, dest: Path) -> Path:
     return dest
 
 
-def metrics(run: Path) -> list[dict]:
-    rows = [json.loads(line) for line in (run / "train" / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
-
-
-def assert_same_results(run: Path, reference: Path) -> None:
-    got, want = load_file(run / "draft" / "model.safetensors"), load_file(reference / "draft" / "model.safetensors")
-    assert got.keys() == want.keys()
-    different = [k for k in want if not torch.equal(got[k], want[k])]
-    assert not different, f"draft tensors differ from the uninterrupted run: {different}"
-    assert metrics(run) == metrics(reference)
-    for name in ("eval/offline.json",):
-        assert json.loads((run / name).read_text()) == json.loads((reference / name).read_text()), name
-
-
 def test_killed_training_after_a_setting_change_reruns_to_the_uninterrupted_result(finished, tmp_path):
     ws, target, chats = finished
     changed = config(target, chats, lr=0.002)
@@ -78,7 +59,7 @@ def test_killed_training_after_a_setting_change_reruns_to_the_uninterrupted_resu
     assert proc.wait() != 0
     rerun = snakemake(faulted)
     assert "Nothing to be done" not in rerun.stdout + rerun.stderr
-    assert_same_results(faulted / "results/tiny", reference / "results/tiny")
+    assert differences(faulted / "results/tiny", reference / "results/tiny") == []
 
 
 HOLD = "import sys, time; from eaglepipe.dir_lock import dir_lock\nwith dir_lock(sys.argv[1]):\n    print('held', flush=True); time.sleep(600)"

@@ -131,3 +131,35 @@ def kill_stage(proc: subprocess.Popen, module: str) -> int:
             os.kill(pid, signal.SIGKILL)
             return pid
     raise AssertionError(f"no eaglepipe.{module} process under snakemake {proc.pid}")
+
+
+TIMING = ("tokens_per_s",)  # the only metrics that differ between two runs of the same settings
+
+
+def differences(run: Path, reference: Path) -> list[str]:
+    """What differs between two runs' results (draft tensors, metrics rows but their timing, offline
+    evaluation, the shards listed in the manifest); empty when they are the same."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+
+    found = []
+    for name in ("draft/model.safetensors",):
+        if not (run / name).is_file():
+            return [f"{name} is missing"]
+        got, want = load_file(run / name), load_file(reference / name)
+        found += [f"{name}: tensor {k}" for k in sorted(set(got) | set(want))
+                  if k not in got or k not in want or not torch.equal(got[k], want[k])]
+
+    def rows(r: Path) -> list[dict]:
+        lines = (r / "train/metrics.jsonl").read_text().splitlines()
+        return [{k: v for k, v in json.loads(x).items() if k not in TIMING} for x in lines]
+
+    if rows(run) != rows(reference):
+        found.append(f"train/metrics.jsonl: {len(rows(run))} rows vs {len(rows(reference))}, not the same")
+    for name, key in (("eval/offline.json", None), ("hidden_states/manifest.json", "splits")):
+        a, b = (json.loads((r / name).read_text()) for r in (run, reference))
+        if (a if key is None else a[key]) != (b if key is None else b[key]):
+            found.append(name)
+    return found
