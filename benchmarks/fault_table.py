@@ -118,6 +118,16 @@ def faults(target: Path) -> dict:
         cfg["target"]["model"] = str(model)
         write_config(ws, cfg)
 
+    def kill_snakemake(ws):
+        """kill -9 of Snakemake itself: its training job runs on; `--unlock` and rerun beside it."""
+        log = ws / RUN / "logs" / train_log
+        log.unlink(missing_ok=True)
+        proc = start_snakemake(ws, "--forcerun", "train_draft")
+        wait_for_line(log, "train_draft: checkpoint ", proc)
+        proc.kill()
+        proc.wait()
+        snakemake(ws, "--unlock")
+
     def forcerun_training(ws):
         snakemake(ws, "--forcerun", "train_draft", check=False)
 
@@ -139,6 +149,8 @@ def faults(target: Path) -> dict:
                               damaged_checkpoint(lambda p: p.write_bytes(p.read_bytes()[:-64] + bytes(64)))),
         "planted pickle": ("training killed, a pickle that runs a command planted as trainer state", None,
                            planted_pickle),
+        "kill snakemake": ("kill -9 of Snakemake during training, --unlock, rerun while its job runs on", None,
+                           kill_snakemake),
         "forcerun training": ("--forcerun train_draft on a finished run", None, forcerun_training),
         "model dir without config.json": ("target.model pointed at a copy without config.json", None,
                                           no_config_json),
@@ -172,6 +184,7 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", help="fault names to run (default: all)")
     args = ap.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="faults-"))
+    (work / "base").mkdir(parents=True)
     base = copy_workflow(work / "base")
     target = tiny.make_llama(base / "target")
     chats = tiny.make_chats(base / "chats.jsonl", n=24)
@@ -186,7 +199,7 @@ def main() -> None:
         if args.only and name not in args.only:
             continue
         current = with_change(cfg, change[0], **change[1]) if change else cfg
-        key = json.dumps(change)
+        key = json.dumps(change) if change else ""
         if change and key not in references:
             references[key] = clone(base, work / f"reference-{len(references)}")
             write_config(references[key], current)
