@@ -1,10 +1,11 @@
-# Only when the config asks the pipeline to build the target: otherwise an existing model
-# directory must never look like this rule's output.
+# Only when the config asks the pipeline to build the target, and only into the recipe's own
+# directory (config_check.target_errors refuses any other target.model): a model directory the
+# user supplies is never the output of a rule, so no rule writes, moves or deletes it.
 if config["target"]["build"]:
 
     rule build_target:
         output:
-            directory(config["target"]["model"]),
+            directory(BUILT_TARGETS[config["target"]["build"]]),
         log:
             "results/logs/build_target.log",
         benchmark:
@@ -24,6 +25,7 @@ rule prepare_data:
     input:
         data=data_input(),
         model=target_input(),
+        chat_template=chat_template_input(),
     output:
         train="results/{run}/data/train.jsonl",
         eval="results/{run}/data/eval.jsonl",
@@ -48,6 +50,8 @@ rule prepare_data:
         too_long=config["data"]["too_long"],
         eval_fraction=config["data"]["eval_fraction"],
         seed=config["data"]["seed"],
+        template=chat_template_flags(),
+        template_sha256=chat_template_sha256(),
         trust=trust_flag(),
         revision=revision_flag(),
         outdir=lambda wc, output: os.path.dirname(output.train),
@@ -57,7 +61,7 @@ rule prepare_data:
         "--data {params.data} --model {params.model} {params.revision} "
         "{params.trust} --out-dir {params.outdir} --max-samples {params.max_samples} "
         "--max-length {params.max_length} --too-long {params.too_long} "
-        "--eval-fraction {params.eval_fraction} --seed {params.seed} > {log} 2>&1"
+        "--eval-fraction {params.eval_fraction} --seed {params.seed} {params.template} > {log} 2>&1"
 
 
 rule vocab_mapping:

@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from .serving_limits import servable_rope
+
 # The one place the norm flags are chosen. vLLM 0.26.0 honours all four (algos.py update_eagle3 and
 # llama_eagle3.py, read from its wheel), so speculators 0.9.0's eagle3 defaults train what vLLM serves.
 NORM_FLAGS = {"norm_before_residual": True, "norm_before_fc": True, "fc_norm": False, "norm_output": True}
@@ -61,6 +63,9 @@ def draft_layer_config(target: str | Path, trust_remote_code: bool = False):
         cfg.head_dim = tcfg.hidden_size // tcfg.num_attention_heads
         cfg.num_key_value_heads = tcfg.num_attention_heads
         cfg.intermediate_size = tcfg.intermediate_size
+    # Kimi's DeepSeek-style yarn (mscale, mscale_all_dim) trains at attention factor 1.0 but vLLM's
+    # Llama yarn serves 1.42: the draft takes plain yarn, which both compute alike (serving_limits.py).
+    cfg.rope_parameters = servable_rope(cfg.rope_parameters)
     cfg.sliding_window = None
     cfg.use_sliding_window = False
     cfg.layer_types = ["full_attention"] * NUM_DRAFT_LAYERS
