@@ -24,6 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "tests"), str(REPO / "scripts")]
 
 import tiny  # noqa: E402
+from test_workflow import tiny_config  # noqa: E402
 from workflow import (copy_workflow, differences, kill_stage, snakemake, start_snakemake,  # noqa: E402
                       wait_for_line, write_config)
 
@@ -31,15 +32,11 @@ RUN = "results/tiny"
 
 
 def base_config(target: Path, chats: Path) -> dict:
-    return {
-        "run_name": "tiny",
-        "target": {"model": str(target), "build": None, "deploy_name": "tiny/llama"},
-        "data": {"path": str(chats), "max_samples": None, "max_length": 96, "eval_fraction": 0.25},
-        "draft": {"vocab_size": 64},
-        "extract": {"backend": "hf", "device": "cpu", "batch_size": 2},
-        "train": {"max_steps": 24, "lr": 0.001, "batch_tokens": 256, "eval_every": 4, "checkpoint_every": 4,
-                  "warmup_steps": 1},
-    }
+    cfg = tiny_config(target, chats)
+    # two samples a shard and checkpoints every 4 of 24 steps: room to be killed in between
+    cfg["extract"]["batch_size"] = 2
+    cfg["train"].update(max_steps=24, eval_every=4, checkpoint_every=4)
+    return cfg
 
 
 def with_change(cfg: dict, section: str, **values) -> dict:
