@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -168,11 +169,12 @@ def read_config(ws: Path) -> dict:
     return yaml.safe_load((ws / "config/config.yaml").read_text())
 
 
-def last_error(output: str) -> str:
-    """The sentence a failed job printed: its log's last line (Snakemake shows failed logs)."""
-    lines = [x.strip() for x in output.splitlines() if x.strip()]
-    errors = [x for x in lines if x.startswith("SystemExit") or ": " in x and "rerun" in x]
-    return (errors or lines or ["?"])[-1][:160]
+def last_error(ws: Path, output: str) -> str:
+    """The sentence the failed job ended with: the last line of its log, else Snakemake's last line."""
+    m = re.search(r"Error in rule \w+:.*?log: (\S+)", output, re.S)
+    text = (ws / m.group(1)).read_text(errors="replace") if m and (ws / m.group(1)).is_file() else output
+    lines = [x.strip() for x in text.splitlines() if x.strip()]
+    return (lines or ["?"])[-1][:200]
 
 
 def main() -> None:
@@ -209,8 +211,7 @@ def main() -> None:
         if (ws / "payload-ran").exists():
             outcome = "LOST: the planted pickle ran"
         elif rerun.returncode != 0:
-            logs = "\n".join(p.read_text(errors="replace") for p in sorted((ws / RUN / "logs").glob("*.log")))
-            outcome = "error: " + last_error(logs if "SystemExit" in logs or "rerun" in logs else out)
+            outcome = "error: " + last_error(ws, out)
         else:
             diff = differences(ws / RUN, references[key] / RUN)
             outcome = "same" if not diff else "LOST: " + "; ".join(diff)[:160]
