@@ -47,6 +47,7 @@ def test_killed_training_after_a_setting_change_reruns_to_the_uninterrupted_resu
     changed = config(target, chats, lr=0.002)
     reference = clone(ws, tmp_path / "reference")
     write_config(reference, changed)
+    shutil.rmtree(reference / "results/tiny/draft")  # a new draft goes to an empty place (README)
     snakemake(reference)
 
     faulted = clone(ws, tmp_path / "faulted")
@@ -57,8 +58,14 @@ def test_killed_training_after_a_setting_change_reruns_to_the_uninterrupted_resu
     wait_for_line(log, "train_draft: checkpoint ", proc)  # after the first checkpoint of the new settings
     kill_stage(proc, "train_draft")
     assert proc.wait() != 0
-    rerun = snakemake(faulted)
+    # the rerun resumes training, then the export stops at the old draft with its sentence
+    rerun = snakemake(faulted, check=False)
     assert "Nothing to be done" not in rerun.stdout + rerun.stderr
+    assert "resuming from results/tiny/train/checkpoints/step-0000004" in log.read_text()
+    export_log = (faulted / "results/tiny/logs/export_draft.log").read_text()
+    assert rerun.returncode != 0 and "a delivered draft is never overwritten, delete it on purpose" in export_log
+    shutil.rmtree(faulted / "results/tiny/draft")
+    snakemake(faulted)
     assert differences(faulted / "results/tiny", reference / "results/tiny") == []
 
 
