@@ -135,7 +135,7 @@ def faults(target: Path) -> dict:
         "storage fp8 + kill extraction": ("extract.storage_dtype fp8, extraction killed after loading",
                                           ("extract", {"storage_dtype": "fp8"}), kill_extraction),
         "layer change + kill extraction": ("extract.layer_ids changed, extraction killed",
-                                           ("extract", {"layer_ids": [1, 3, 6]}), kill_extraction),
+                                           ("extract", {"layer_ids": [1, 2, 4, 6]}), kill_extraction),
         "kill extraction": ("shards deleted, --forcerun extract_hidden_states killed after loading", None,
                             kill_fresh_extraction),
         "bit flip in reused shard": ("a bit of a shard flipped, extraction rerun and killed", None,
