@@ -26,4 +26,4 @@ localrules:
 rule all:
     default_target: True
     input:
-        final_outputs(),
+        every_output(),

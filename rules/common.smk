@@ -187,13 +187,40 @@ def serving_list_arg(key):
 
 
 def replica_parts(wildcards):
+    return replica_part_files(wildcards.run)
+
+
+def replica_part_files(run):
     r = config["extract"]["replicas"]
     return expand(
         "results/{run}/hidden_states/parts/replica-{i}-of-{r}.json",
-        run=wildcards.run,
+        run=run,
         i=range(r),
         r=r,
     )
+
+
+def every_output():
+    """The deliverables and every intermediate output, all requested by ``rule all``.
+
+    Snakemake rebuilds a missing intermediate file only when a job that reads it has to run
+    (snakemake 9.27.1, dag.py ``update_needrun``: the missing-output check is made for target jobs,
+    other jobs are reached through the needrun ones). A job killed after a setting changed has
+    lost its outputs (Snakemake removes them when the job starts and when it fails), while the
+    deliverables made with the old settings are still there and their own rules unchanged: a
+    rerun said "Nothing to be done" over them. As targets, the missing files rerun their job and
+    everything after it.
+    """
+    run = config["run_name"]
+    intermediate = replica_part_files(run)
+    for r in (
+        rules.prepare_data,
+        rules.vocab_mapping,
+        rules.gather_hidden_states,
+        rules.train_draft,
+    ):
+        intermediate += expand(r.output, run=run)
+    return final_outputs() + intermediate
 
 
 def final_outputs():

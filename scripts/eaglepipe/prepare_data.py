@@ -25,6 +25,7 @@ from eaglepipe.atomic import atomic_path, write_json
 from eaglepipe.chat_data import FORMS, Skip, iter_chats
 from eaglepipe.chat_template import RERENDERED, ChatTemplate, TemplateSkip, encode_chat, turn_text
 from eaglepipe.tokenized_samples import Tokenized, as_encoded, iter_tokenized
+from eaglepipe.model_dir import check_model_dir
 
 EXAMPLES_PER_REASON = 5
 HISTOGRAM_BINS = 20
@@ -291,6 +292,7 @@ def main(argv=None):
         p.error(f"--max-length must be >= 1, got {args.max_length}")
     if not 0 < args.eval_fraction < 1:
         p.error(f"--eval-fraction must be between 0 and 1 (exclusive), got {args.eval_fraction}")
+    check_model_dir(args.model)
     prepare(args)
 
 
