@@ -10,6 +10,7 @@ report: "report/workflow.rst"
 
 
 include: "rules/common.smk"
+include: "rules/regenerate.smk"
 include: "rules/data.smk"
 include: "rules/extract.smk"
 include: "rules/train.smk"
@@ -25,4 +26,4 @@ localrules:
 rule all:
     default_target: True
     input:
-        final_outputs(),
+        every_output(),

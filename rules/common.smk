@@ -1,23 +1,61 @@
 import hashlib
+import json
 import os
 import re
+import shlex
 import sys
 from pathlib import Path
 
+from snakemake.common.configfile import load_configfile
 from snakemake.exceptions import WorkflowError
-from snakemake.utils import validate
+from snakemake.utils import update_config, validate
 
 REPO = Path(workflow.basedir)
 sys.path.insert(0, str(REPO / "scripts"))
+from eaglepipe.atomic import sha256_file
 from eaglepipe.code_digest import code_digest as _code_digest
-from eaglepipe.config_check import coerce_cli_strings, config_errors, load_schema
+from eaglepipe.config_check import (
+    BUILT_TARGETS,
+    changed_settings,
+    coerce_cli_strings,
+    config_errors,
+    deploy_name,
+    load_schema,
+    names_target,
+    target_errors,
+)
 
 _schema = load_schema(str(REPO / "config" / "config.schema.yaml"))
 coerce_cli_strings(config, _schema)
+# The embedded default is a preset like any other: it applies only to a config that names no target,
+# under what was given. (Not a second `configfile:`: Snakemake 9 merges --configfile and --config over
+# those, so a user's own target would inherit every demo value it leaves out.)
+DEMO_PRESET = "config/presets/smollm2-demo.yaml"
+_preset = None
+if not names_target(config):
+    _preset = DEMO_PRESET
+    _given = dict(config)
+    config.clear()
+    config.update(load_configfile(REPO / DEMO_PRESET))
+    update_config(config, _given)
 _errors = config_errors(config, _schema)
+if _errors and not _preset and any("required property" in e for e in _errors):
+    _errors.append(
+        "(a config that names target.model takes nothing from the demo preset)"
+    )
 if _errors:
     raise WorkflowError("invalid configuration:\n  " + "\n  ".join(_errors))
 validate(config, "../config/config.schema.yaml")
+_errors = target_errors(config)
+if _errors:
+    raise WorkflowError("invalid configuration:\n  " + "\n  ".join(_errors))
+# Nothing silent: every setting that is not the schema's default, and where the base came from.
+print(
+    f"eaglepipe config{f' (the demo preset {_preset}, with what was given on top)' if _preset else ''}; "
+    "settings other than config/config.schema.yaml's defaults:\n  "
+    + "\n  ".join(changed_settings(config, _schema)),
+    file=sys.stderr,
+)
 
 PKG = REPO / "scripts" / "eaglepipe"
 # The command prefix of every stage. scripts/ (relative to the working directory, so moving the
@@ -29,6 +67,12 @@ STAGE_ENV = (
 )
 # `exec` so that signals reach Python; a rule appends `.<module> <arguments>`.
 STAGE = f"{STAGE_ENV} exec python -m eaglepipe"
+# In front of STAGE in the rules that start vLLM: its cache root (vllm/envs.py of vLLM 0.26.0),
+# where the torch.compile artifacts persist across runs.
+VLLM_CACHE_ROOT = (
+    config["vllm"]["cache_dir"] or f"results/{config['run_name']}/vllm-cache"
+)
+VLLM_ENV = f"VLLM_CACHE_ROOT={shlex.quote(VLLM_CACHE_ROOT)}"
 
 
 wildcard_constraints:
@@ -63,6 +107,39 @@ def data_input(wildcards=None):
     return [] if path.startswith("package:") else path
 
 
+def chat_template_input(wildcards=None):
+    path = config["data"]["chat_template"]
+    if path and not Path(path).is_file():
+        raise WorkflowError(f"data.chat_template: template file {path} does not exist")
+    return path or []
+
+
+def chat_template_sha256():
+    """The override's content as a param: an edit reruns prepare_data even when the file's mtime does not
+    change it (a checkout can write an old mtime)."""
+    path = config["data"]["chat_template"]
+    return sha256_file(path) if path else None
+
+
+def chat_template_flags():
+    """The template override and kwargs as prepare_data takes them, shell-quoted (as params, a
+    change of either reruns prepare_data and what follows)."""
+    data = config["data"]
+    flags = ["--rerendered-turns", data["rerendered_turns"]]
+    if data["chat_template"]:
+        flags += ["--chat-template", data["chat_template"]]
+    if data["chat_template_kwargs"]:
+        flags += [
+            "--chat-template-kwargs",
+            json.dumps(data["chat_template_kwargs"], sort_keys=True),
+        ]
+    return " ".join(shlex.quote(f) for f in flags)
+
+
+def verifier_name():
+    return deploy_name(config["target"])
+
+
 def trust_flag():
     return "--trust-remote-code" if config["target"]["trust_remote_code"] else ""
 
@@ -88,24 +165,111 @@ def num_speculative_tokens():
     return config["export"]["num_speculative_tokens"] or config["train"]["ttt_steps"]
 
 
+def parity_k():
+    """The K whose concurrency-1 serving window the parity check replays."""
+    bs = config["benchmark_serving"]
+    k = bs["parity"]["k"] or num_speculative_tokens()
+    if k not in bs["k"]:
+        raise WorkflowError(
+            f"benchmark_serving.parity.k (or the export's K) {k} is not among benchmark_serving.k {bs['k']}"
+        )
+    if 1 not in bs["concurrency"]:
+        raise WorkflowError(
+            f"benchmark_serving.concurrency {bs['concurrency']} must contain 1: the parity check "
+            "replays the concurrency-1 window"
+        )
+    return k
+
+
+def serving_list_arg(key):
+    """A benchmark_serving list as the CLI takes it: comma-separated."""
+    return ",".join(str(v) for v in config["benchmark_serving"][key])
+
+
 def replica_parts(wildcards):
+    return replica_part_files(wildcards.run)
+
+
+def replica_part_files(run):
     r = config["extract"]["replicas"]
     return expand(
         "results/{run}/hidden_states/parts/replica-{i}-of-{r}.json",
-        run=wildcards.run,
+        run=run,
         i=range(r),
         r=r,
     )
+
+
+def every_output():
+    """The deliverables and every intermediate output, all requested by ``rule all``.
+
+    Snakemake rebuilds a missing intermediate file only when a job that reads it has to run
+    (snakemake 9.27.1, dag.py ``update_needrun``: the missing-output check is made for target jobs,
+    other jobs are reached through the needrun ones). A job killed after a setting changed has
+    lost its outputs (Snakemake removes them when the job starts and when it fails), while the
+    deliverables made with the old settings are still there and their own rules unchanged: a
+    rerun said "Nothing to be done" over them. As targets, the missing files rerun their job and
+    everything after it.
+    """
+    run = config["run_name"]
+    intermediate = replica_part_files(run)
+    for r in (
+        rules.prepare_data,
+        rules.vocab_mapping,
+        rules.gather_hidden_states,
+        rules.train_draft,
+    ):
+        intermediate += expand(r.output, run=run)
+    return final_outputs() + intermediate
 
 
 def final_outputs():
     out = [
         "draft/config.json",
         "draft/model.safetensors",
+        "draft/README.md",
         "eval/offline.json",
         "report/training.svg",
         "report/data_stats.svg",
     ]
     if config["benchmark_serving"]["enabled"]:
-        out.append("eval/serving.json")
+        out += ["eval/serving.json", "eval/parity.json", "report/serving.svg"]
     return expand("results/{run}/{path}", run=config["run_name"], path=out)
+
+
+REGENERATED = "results/{run}/regenerated/chats.jsonl"
+
+
+def prepare_data_input():
+    """What prepare_data reads: the target's regenerated answers when regenerate.enabled."""
+    return REGENERATED if config["regenerate"]["enabled"] else data_input()
+
+
+def prepare_data_source(wildcards, input):
+    """prepare_data's data arguments; data.max_samples was applied to conversations by regeneration."""
+    if config["regenerate"]["enabled"]:
+        return f"--pretokenized --data {input.data}"
+    return f"--data {config['data']['path']} --max-samples {config['data']['max_samples'] or 0}"
+
+
+def regenerate_modes():
+    """regenerate.modes as the CLI takes them: data.chat_template_kwargs under each mode's own."""
+    base = config["data"]["chat_template_kwargs"]
+    modes = [
+        {**m, "chat_template_kwargs": {**base, **m["chat_template_kwargs"]}}
+        for m in config["regenerate"]["modes"]
+    ]
+    return json.dumps(modes, sort_keys=True)
+
+
+def regenerate_template_flag():
+    """The template override, which regeneration uses only for a tokenizer without a template."""
+    path = config["data"]["chat_template"]
+    return f"--chat-template {shlex.quote(path)}" if path else ""
+
+
+def regenerate_gpus():
+    rg = config["regenerate"]
+    if rg["backend"] == "vllm":
+        return config["extract"]["tensor_parallel_size"]
+    return 1 if rg["device"] == "cuda" else 0

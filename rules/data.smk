@@ -1,10 +1,11 @@
-# Only when the config asks the pipeline to build the target: otherwise an existing model
-# directory must never look like this rule's output.
+# Only when the config asks the pipeline to build the target, and only into the recipe's own
+# directory (config_check.target_errors refuses any other target.model): a model directory the
+# user supplies is never the output of a rule, so no rule writes, moves or deletes it.
 if config["target"]["build"]:
 
     rule build_target:
         output:
-            directory(config["target"]["model"]),
+            directory(BUILT_TARGETS[config["target"]["build"]]),
         log:
             "results/logs/build_target.log",
         benchmark:
@@ -22,8 +23,9 @@ if config["target"]["build"]:
 
 rule prepare_data:
     input:
-        data=data_input(),
+        data=prepare_data_input(),
         model=target_input(),
+        chat_template=chat_template_input(),
     output:
         train="results/{run}/data/train.jsonl",
         eval="results/{run}/data/eval.jsonl",
@@ -41,23 +43,24 @@ rule prepare_data:
         "../envs/eaglepipe.yaml"
     threads: 2
     params:
-        data=config["data"]["path"],
+        data=prepare_data_source,
         model=target_arg,
-        max_samples=config["data"]["max_samples"] or 0,
         max_length=config["data"]["max_length"],
         too_long=config["data"]["too_long"],
         eval_fraction=config["data"]["eval_fraction"],
         seed=config["data"]["seed"],
+        template=chat_template_flags(),
+        template_sha256=chat_template_sha256(),
         trust=trust_flag(),
         revision=revision_flag(),
         outdir=lambda wc, output: os.path.dirname(output.train),
         code=code_digest("prepare_data"),
     shell:
         f"{STAGE}.prepare_data "
-        "--data {params.data} --model {params.model} {params.revision} "
-        "{params.trust} --out-dir {params.outdir} --max-samples {params.max_samples} "
+        "{params.data} --model {params.model} {params.revision} "
+        "{params.trust} --out-dir {params.outdir} "
         "--max-length {params.max_length} --too-long {params.too_long} "
-        "--eval-fraction {params.eval_fraction} --seed {params.seed} > {log} 2>&1"
+        "--eval-fraction {params.eval_fraction} --seed {params.seed} {params.template} > {log} 2>&1"
 
 
 rule vocab_mapping:

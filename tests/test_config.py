@@ -1,5 +1,6 @@
-"""Config contract: the schema's defaults and errors, and presets that fully override the default."""
+"""Config contract: the schema's defaults and errors, the demo preset, and the target checks."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -7,24 +8,27 @@ import yaml
 from snakemake.exceptions import WorkflowError
 from snakemake.utils import validate
 
-from eaglepipe.config_check import coerce_cli_strings, config_errors, load_schema
+from eaglepipe.config_check import (
+    changed_settings,
+    coerce_cli_strings,
+    config_errors,
+    load_schema,
+    names_target,
+    target_errors,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEMA = str(REPO / "config" / "config.schema.yaml")
-DEFAULT = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+DEMO = REPO / "config" / "presets" / "smollm2-demo.yaml"
 PRESETS = sorted((REPO / "config" / "presets").glob("*.yaml"))
 
 
-def leaves(d, prefix=()):
-    for k, v in d.items():
-        if isinstance(v, dict):
-            yield from leaves(v, prefix + (k,))
-        else:
-            yield prefix + (k,)
+def demo():
+    return yaml.safe_load(DEMO.read_text())
 
 
-def test_default_config_validates_and_gets_defaults():
-    cfg = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+def test_demo_validates_and_gets_defaults():
+    cfg = demo()
     validate(cfg, SCHEMA)
     assert cfg["train"]["ttt_steps"] == 3
     assert cfg["extract"]["layer_ids"] is None
@@ -32,21 +36,36 @@ def test_default_config_validates_and_gets_defaults():
     assert cfg["benchmark_serving"]["enabled"] is False
 
 
+def test_shipped_config_names_no_target_so_the_demo_applies():
+    shipped = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    assert shipped == {} and not names_target(shipped)
+
+
 @pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.stem)
-def test_presets_override_every_key_of_the_default(preset):
-    # Snakemake merges --configfile over config/config.yaml: a key the preset leaves out would
-    # silently keep the embedded default's (CPU, 240 samples) value.
+def test_every_preset_names_its_target(preset):
+    # a config naming a target never gets the demo's values (rules/common.smk): a preset is complete
     cfg = yaml.safe_load(preset.read_text())
+    assert names_target(cfg)
     validate(cfg, SCHEMA)
-    missing = []
-    for path in leaves(DEFAULT):
-        d = cfg
-        for k in path:
-            if not isinstance(d, dict) or k not in d:
-                missing.append(".".join(path))
-                break
-            d = d[k]
-    assert not missing, f"{preset.name} leaves the embedded default's values for {missing}"
+
+
+def test_a_user_config_takes_the_schemas_defaults_for_real_targets():
+    cfg = {"run_name": "mine", "target": {"model": "Qwen/Qwen3-8B"}, "data": {"path": "chats.jsonl"}}
+    validate(cfg, SCHEMA)
+    assert (cfg["data"]["max_samples"], cfg["data"]["max_length"], cfg["data"]["eval_fraction"]) == (None, 2048, 0.05)
+    assert cfg["draft"]["vocab_size"] == 32000 and cfg["train"]["max_steps"] == 1000
+    assert target_errors(cfg) == []
+    assert changed_settings(cfg, load_schema(SCHEMA)) == [
+        'run_name: "mine"', 'target.model: "Qwen/Qwen3-8B"', 'data.path: "chats.jsonl"']
+
+
+def test_changed_settings_name_the_default():
+    cfg = demo()
+    validate(cfg, SCHEMA)
+    changed = changed_settings(cfg, load_schema(SCHEMA))
+    assert "data.max_length: 256 (default 2048)" in changed
+    assert 'target.build: "smollm2-gguf" (default null)' in changed
+    assert not any(line.startswith("train.ttt_steps") for line in changed)
 
 
 def test_kimi_preset_is_the_real_plan():
@@ -61,8 +80,8 @@ def test_kimi_preset_is_the_real_plan():
     "patch, key, allowed",
     [
         ({"extract": {"backend": "sglang"}}, "extract.backend = 'sglang'", "'hf', 'vllm'"),
-        ({"extract": {"layer_ids": [0, 2, 4]}}, "extract.layer_ids.0 = 0", ">= 1"),
-        ({"extract": {"layer_ids": [4, 2]}}, "extract.layer_ids = [4, 2]", "ascending"),
+        ({"extract": {"layer_ids": [0, 2, 4, 6]}}, "extract.layer_ids.0 = 0", ">= 1"),
+        ({"extract": {"layer_ids": [4, 2, 6, 8]}}, "extract.layer_ids = [4, 2, 6, 8]", "ascending"),
         ({"train": {"lr": -1}}, "train.lr = -1", "> 0"),
         ({"data": {"eval_fraction": 1.5}}, "data.eval_fraction = 1.5", "< 1"),
         ({"run_name": "a b"}, "run_name = 'a b'", "matching"),
@@ -70,7 +89,7 @@ def test_kimi_preset_is_the_real_plan():
     ],
 )
 def test_bad_values_get_one_sentence_naming_key_value_and_allowed(patch, key, allowed):
-    cfg = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    cfg = demo()
     for k, v in patch.items():
         if isinstance(v, dict):
             cfg.setdefault(k, {}).update(v)
@@ -93,3 +112,88 @@ def test_cli_strings_are_typed_by_the_schema():
     assert cfg["export"]["num_speculative_tokens"] is None
     assert cfg["extract"]["layer_ids"] == [2, 4]
     assert cfg["run_name"] == "123"  # strings stay strings where the schema wants one
+    # --config 'data={"chat_template_kwargs": {"thinking": false}}': a template sees False, not "false"
+    cfg = {"data": {"path": "x", "chat_template_kwargs": {"thinking": "false", "name": "kimi"}}}
+    coerce_cli_strings(cfg, load_schema(SCHEMA))
+    assert cfg["data"]["chat_template_kwargs"] == {"thinking": False, "name": "kimi"}
+    cfg = {"target": {"build": "null", "model": "m"}}
+    coerce_cli_strings(cfg, load_schema(SCHEMA))  # --config "target={'build': null}"
+    assert cfg["target"] == {"build": None, "model": "m"}
+
+
+@pytest.mark.parametrize("ids", [[2, 4], [2, 3, 4, 5, 6]])
+def test_aux_id_count_vllm_cannot_serve_is_refused(ids):
+    cfg = demo()
+    cfg["extract"]["layer_ids"] = ids
+    errors = config_errors(cfg, load_schema(SCHEMA))
+    assert errors == [f"config key extract.layer_ids = {ids} is not allowed: {len(ids) - 1} aux layer ids "
+                      f"{ids[:-1]}, but vLLM 0.26.0's EAGLE-3 draft reads exactly 3 aux states (its fc is sized "
+                      f"for 3); give 3 aux ids then num_hidden_layers"]
+
+
+def local_target(tmp_path, layers=6, **target):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"num_hidden_layers": layers}))
+    cfg = {"run_name": "mine", "target": {"model": str(model), **target}, "data": {"path": "c.jsonl"}}
+    return cfg, model
+
+
+def checked(cfg):
+    validate(cfg, SCHEMA)
+    return target_errors(cfg)
+
+
+def test_build_must_be_the_recipes_own_directory(tmp_path):
+    cfg, model = local_target(tmp_path, build="smollm2-gguf", deploy_name="a/b")
+    assert checked(cfg) == [
+        f"config key target.build = 'smollm2-gguf' builds results/models/SmolLM2-135M-Instruct, not "
+        f"target.model = '{model}': set target.build: null to use {model} as it is (the pipeline never writes it)"]
+
+
+def test_local_target_needs_a_deploy_name(tmp_path):
+    cfg, model = local_target(tmp_path)
+    (error,) = checked(cfg)
+    assert error.startswith(f"config key target.deploy_name is not set, and target.model = '{model}' is a local")
+
+
+def test_target_neither_directory_nor_hub_id(tmp_path):
+    cfg = {"run_name": "r", "target": {"model": str(tmp_path / "missing" / "model")}, "data": {"path": "c"}}
+    assert checked(cfg) == [f"config key target.model = '{tmp_path / 'missing' / 'model'}' is neither an existing "
+                            f"directory nor a hub id (org/name)"]
+
+
+@pytest.mark.parametrize("layers, ids, message", [
+    (6, [2, 3, 4, 8], "the last layer id must be the final layer 6"),
+    (3, None, "the target has 3 decoder layers, fewer than the 4"),
+])
+def test_layer_ids_checked_against_the_target_before_any_stage(tmp_path, layers, ids, message):
+    cfg, model = local_target(tmp_path, layers=layers, deploy_name="a/b")
+    cfg["extract"] = {"layer_ids": ids}
+    (error,) = checked(cfg)
+    assert error.startswith(f"config key extract.layer_ids = {ids!r} does not fit the target "
+                            f"({model / 'config.json'}: num_hidden_layers {layers})") and message in error
+
+
+def test_layer_ids_that_fit_pass(tmp_path):
+    cfg, _ = local_target(tmp_path, layers=6, deploy_name="a/b")
+    cfg["extract"] = {"layer_ids": [1, 3, 5, 6]}
+    assert checked(cfg) == []
+
+
+@pytest.mark.parametrize("rope, refused", [
+    ({"type": "dynamic", "factor": 2.0}, "rope_type 'dynamic' is not served by vLLM 0.26.0 as transformers trains it"),
+    ({"type": "yarn", "factor": 64.0, "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096},
+     None),  # Kimi-K2.5's: the draft takes plain yarn (serving_limits.servable_rope)
+    ({"rope_type": "llama3", "factor": 8.0}, None),
+])
+def test_a_target_rope_the_draft_cannot_be_served_with_is_refused_before_training(tmp_path, rope, refused):
+    cfg, model = local_target(tmp_path, deploy_name="a/b")
+    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 6, "rope_scaling": rope}))
+    errors = checked(cfg)
+    if refused is None:
+        assert errors == []
+    else:
+        (error,) = errors
+        assert error.startswith(f"config key target.model = '{model}' cannot get a draft vLLM serves as trained")
+        assert refused in error

@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eaglepipe import export_draft as ex
+from eaglepipe.serving_limits import NORM_FLAGS
 
 AUX = [2, 3, 5]
 DRAFT_VOCAB = 64
@@ -65,7 +66,7 @@ def ckpt_tensors(run):
 def test_round_trip(run, tiny_llama, drop, capsys):
     info = export(run, drop_embedding=drop)  # includes the speculators round-trip load
     out = run / "draft"
-    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]  # the card is model_card's
     assert not list(run.glob(".tmp-*"))
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["speculators_config"]["verifier"]["name_or_path"] == "org/tiny-target"
@@ -73,7 +74,7 @@ def test_round_trip(run, tiny_llama, drop, capsys):
     assert cfg["eagle_aux_hidden_state_layer_ids"] == AUX
     assert cfg["draft_vocab_size"] == DRAFT_VOCAB and cfg["transformer_layer_config"]["vocab_size"] == 400
     assert cfg["dtype"] == "bfloat16"
-    assert {f: cfg[f] for f in ex.VLLM_NORM_FLAGS} == {
+    assert {f: cfg[f] for f in NORM_FLAGS} == {
         "norm_before_residual": True, "norm_before_fc": True, "fc_norm": False, "norm_output": True}
 
     src, got = ckpt_tensors(run), load_file(str(out / "model.safetensors"))
@@ -94,11 +95,6 @@ def test_round_trip(run, tiny_llama, drop, capsys):
         assert torch.equal(model.embed_tokens.weight, src[ex.EMBED].to(torch.bfloat16))
     assert torch.equal(model.d2t, src["d2t"]) and model.target_layer_ids == AUX
     assert torch.equal(model.layers[0].self_attn.q_proj.weight, src["layers.0.self_attn.q_proj.weight"].to(torch.bfloat16))
-
-    card = (out / "README.md").read_text()
-    assert "vllm serve org/tiny-target --speculative-config" in card
-    assert '"method": "eagle3", "num_speculative_tokens": 4' in card
-    assert "1.42" in card and "[2, 3, 5]" in card and "38 kept" in card
 
 
 def test_cli_flags_and_bytes_saved(run, capsys):
@@ -184,10 +180,26 @@ def test_refuses_layer_ids_that_disagree_with_config(run):
 @pytest.mark.parametrize("edit,match", [
     (lambda c: c.__setitem__("shared_norm", True), r"norm flag\(s\) \['shared_norm'\] are set but vLLM 0.26.0 ignores"),
     (lambda c: c["transformer_layer_config"].__setitem__("model_type", "mistral"), "vLLM serves EAGLE-3 drafts of type"),
+    # Kimi-K2.5's rope as the target has it: transformers trains at attention factor 1.0, vLLM's yarn serves 1.416
+    (lambda c: c["transformer_layer_config"].__setitem__("rope_parameters", {
+        "rope_type": "yarn", "rope_theta": 50000.0, "factor": 64.0, "original_max_position_embeddings": 4096,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}),
+     r"transformer_layer_config.rope_parameters: yarn attention factor 1 in training \(transformers\) but 1.416 "
+     r"when served \(vLLM 0.26.0 ignores mscale, mscale_all_dim and attention_factor\); allowed: rope_type default"),
+    (lambda c: c["transformer_layer_config"].__setitem__("rope_parameters", {"rope_type": "dynamic", "factor": 2.0}),
+     "rope_type 'dynamic' is not served by vLLM 0.26.0 as transformers trains it"),
 ])
 def test_refuses_train_serve_mismatch(run, edit, match):
     edit_json(ckpt_dir(run) / "config.json", edit)
     expect_error(run, match)
+
+
+def test_refuses_aux_count_vllm_cannot_serve(run):
+    """vLLM 0.26.0 sizes the draft's fc for 3 aux states whatever the config lists (serving_limits.py)."""
+    edit_json(ckpt_dir(run) / "config.json", lambda c: c.__setitem__("eagle_aux_hidden_state_layer_ids", [2, 5]))
+    edit_json(run / "train" / "summary.json", lambda s: s.update(aux_layer_ids=[2, 5], layer_ids=[2, 5, 6]))
+    expect_error(run, r"eagle_aux_hidden_state_layer_ids: 2 aux layer ids \[2, 5\], but vLLM 0.26.0's EAGLE-3 "
+                      r"draft reads exactly 3 aux states .*; extract.layer_ids must list 3 aux ids")
 
 
 def test_refuses_target_embedding_that_does_not_fit(run, tmp_path):

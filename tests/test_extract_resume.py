@@ -1,5 +1,6 @@
 """Resume after a real kill -9, rewrite of damaged or stale shards, byte-identical results."""
 
+import errno
 import os
 import signal
 import subprocess
@@ -8,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 import tiny
 from eaglepipe import extract_hidden_states as ehs
@@ -52,11 +54,11 @@ def test_resume_after_kill_is_byte_identical(tmp_path, tiny_llama, pool):
     shard_dir = tmp_path / "killed" / "shards"
     p = run_cli(tmp_path, tiny_llama, "killed", "--writer-pool", pool, wait=False)
     deadline = time.time() + 120
-    while not list(shard_dir.glob("*.safetensors")) and p.poll() is None and time.time() < deadline:
+    while not list(shard_dir.glob("*.checksum")) and p.poll() is None and time.time() < deadline:
         time.sleep(0.005)
     p.send_signal(signal.SIGKILL)
     p.wait()
-    before = len(list(shard_dir.glob("*.safetensors")))
+    before = len(list(shard_dir.glob("*.checksum")))  # a shard written without its record is redone
     assert 1 <= before < BATCHES, f"kill landed after {before} of {BATCHES} shards"
     assert not (tmp_path / "killed" / "part.json").exists()
 
@@ -70,9 +72,14 @@ def test_resume_after_kill_is_byte_identical(tmp_path, tiny_llama, pool):
     names = sorted(full)
     (shard_dir / names[0]).write_bytes(full[names[0]][: len(full[names[0]]) // 2])
     (shard_dir / names[5]).write_bytes(b"\xff" * 16 + full[names[5]][16:])
+    flipped = bytearray(full[names[7]])
+    flipped[-3] ^= 0x10  # one bit of the last hidden state: the file still opens and looks complete
+    (shard_dir / names[7]).write_bytes(bytes(flipped))
     (shard_dir / ".tmp-train-000009.safetensors.abc").write_bytes(b"partial")
     run_cli(tmp_path, tiny_llama, "killed")
-    assert last_line(log, "reused") == f"reused {BATCHES - 2} shards, wrote 2"
+    assert last_line(log, "reused") == f"reused {BATCHES - 3} shards, wrote 3"
+    for name in (names[0], names[5], names[7]):
+        assert f"shard {shard_dir / name} " in log.read_text() and "rebuilding it" in log.read_text()
     assert "removed 1 stale temporary files" in log.read_text()
     assert shard_bytes(shard_dir) == full and not list(shard_dir.glob(".tmp-*"))
 
@@ -96,3 +103,30 @@ def test_changed_settings_or_samples_rewrite_shards(tmp_path, tiny_llama, capsys
     lines[5] = lines[5].replace('"input_ids": [', '"input_ids": [7, ').replace('"loss_mask": [', '"loss_mask": [0, ')
     (tmp_path / "train.jsonl").write_text("\n".join(lines) + "\n")
     assert run("--storage-dtype", "fp8", "--batch-size", "2") == "reused 5 shards, wrote 1"
+
+
+def test_every_flag_changes_shard_settings_unless_listed_as_neutral(tmp_path):
+    """A new flag counts as changing shards until RESULT_NEUTRAL lists it; every listed one is a flag."""
+    args = ehs.parse_args(["--train", "t", "--eval", "e", "--model", "m", "--shard-dir", "s", "--out", "o"])
+    flags = set(vars(args))
+    assert set(ehs.RESULT_NEUTRAL) <= flags, set(ehs.RESULT_NEUTRAL) - flags
+    settings = ehs.settings_of(args, [2, 4], "tok-a")
+    assert flags - set(ehs.RESULT_NEUTRAL) <= set(settings)
+    assert ehs.settings_of(args, [2, 4], "tok-b")["digest"] != settings["digest"]  # another tokenizer
+    args.enforce_eager = True
+    assert ehs.settings_of(args, [2, 4], "tok-a")["digest"] != settings["digest"]
+    args.enforce_eager, args.shard_dir, args.writer_pool = False, "elsewhere", "processes"
+    assert ehs.settings_of(args, [2, 4], "tok-a")["digest"] == settings["digest"]
+
+
+def test_a_full_disk_names_the_shard_directory(tmp_path, monkeypatch):
+    from eaglepipe import shards
+
+    def no_space(*_, **__):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(shards, "save_pieces", no_space)
+    with pytest.raises(SystemExit, match=f"cannot write shard {tmp_path}/x.safetensors: No space left on device; "
+                                         f"free space in {tmp_path}"):
+        shards.write_shard(tmp_path / "x.safetensors", torch.zeros(2, 2, 4), torch.zeros(2), torch.zeros(2),
+                           torch.zeros(1), torch.tensor([0, 2]), {})

@@ -202,3 +202,23 @@ def test_gpu_rows_have_one_padded_length(tmp_path, tiny_llama):
         assert (r["document_ids"][0, T:] == -1).all() and not r["loss_mask"][0, T:].any()
     with pytest.raises(ValueError, match="pad_to 32"):
         PackedRows(manifest, "train", 64, pad_to=32)
+
+
+@pytest.mark.parametrize("damage", ["deleted", "truncated"])
+def test_a_deleted_or_truncated_shard_stops_training_before_it_starts(tmp_path, damage):
+    m = random_manifest(tmp_path, [[4, 4], [3, 5]])
+    shard = tmp_path / "shards" / "train-000001.safetensors"
+    if damage == "deleted":
+        shard.unlink()
+    else:
+        shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(SystemExit, match=f"shard {shard} (does not exist|has 100 bytes), manifest .* records "
+                                         r"\d+ bytes; rerun with --forcerun extract_hidden_states"):
+        PackedRows(m, "train", 8)
+
+
+def test_a_shard_of_other_settings_is_refused(tmp_path):
+    m = random_manifest(tmp_path, [[4, 4]])
+    m["settings"] = {"digest": "of-the-manifest"}  # the shards record none: made with other settings
+    with pytest.raises(SystemExit, match="was made with other settings"):
+        list(PackedRows(m, "train", 8).once())

@@ -106,3 +106,26 @@ def test_bad_manifest_is_a_clear_error(tmp_path):
     (tmp_path / "manifest.json").write_text('{"splits": {}}')
     with pytest.raises(SystemExit, match=r"plots: manifest .*manifest.json: missing key 'layer_ids'"):
         plots.main(args)
+
+
+def test_serving_figure(tmp_path, capsys):
+    points = [{"k": None, "concurrency": c, "output_tokens_per_s": 100.0 * c, "mean_tpot_ms": 10.0}
+              for c in (1, 4)]
+    points += [{"k": k, "concurrency": c, "output_tokens_per_s": 130.0 * c, "mean_tpot_ms": 7.5, "speedup": 1.3,
+                "acceptance_length": 2.1, "identical_outputs_fraction": 0.9} for k in (1, 2) for c in (1, 4)]
+    serving = tmp_path / "serving.json"
+    serving.write_text(json.dumps({"points": points, "recommended": {"k": 2}}))
+    out = tmp_path / "out" / "serving.svg"
+    plots.main([f"--serving={serving}", f"--serving-out={out}"])
+    text = svg_texts(out)
+    assert out.stat().st_size > 10_000 and text.count("<path") > 20
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_cli_needs_a_complete_group(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        plots.main([f"--serving={tmp_path / 's.json'}"])
+    assert "--serving, --serving-out" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        plots.main([])
+    assert "give the training/data flags, the serving flags, or both" in capsys.readouterr().err

@@ -129,3 +129,99 @@ def test_multimodal_wrapper_vocab_from_text_config(tmp_path, tiny_llama, chats):
     out = run(tmp_path, chats, model)
     with safe_open(str(out / "token_freq.safetensors"), "pt") as f:
         assert f.get_tensor("token_freq").shape == (400,)
+
+
+# --- template families: every assistant turn trained, reasoning counted, counts reconcile ---------
+
+@pytest.fixture(scope="module")
+def family_targets(tmp_path_factory):
+    import tiny
+
+    return {family: tiny.make_target(tmp_path_factory.mktemp(family), family) for family in tiny.FAMILIES}
+
+
+@pytest.fixture
+def thinking_chats(tmp_path):
+    import tiny
+
+    return tiny.make_thinking_chats(tmp_path / "thinking.jsonl", n=30)
+
+
+def assistant_reconciles(out, stats):
+    """The counts in stats.json against the written files."""
+    a = stats["assistant"]
+    written = [r for name in ("train", "eval") for r in rows(out / f"{name}.jsonl")]
+    assert a["tokens_trained"] == sum(sum(r["loss_mask"]) for r in written)
+    assert a["tokens_trained"] == a["tokens_trained_thinking"] + a["tokens_trained_answer"]
+    assert a["tokens_in_data"] == a["tokens_trained"] + sum(a["tokens_not_trained_by_reason"].values())
+    assert a["turns_in_data"] == a["turns_trained"] + sum(a["turns_not_trained_by_reason"].values())
+    # a conversation's samples share its split: no prompt of an eval turn is trained on
+    splits = {name: {r["id"].split("#")[0] for r in rows(out / f"{name}.jsonl")} for name in ("train", "eval")}
+    assert not splits["train"] & splits["eval"]
+    assert len(splits["train"] | splits["eval"]) == stats["kept"] == stats["read"] - stats["skipped"]
+    return written
+
+
+def test_kimi_k25_preset_template_trains_thinking_and_every_turn(tmp_path, family_targets, thinking_chats, capsys):
+    import tiny
+
+    out = run(tmp_path, thinking_chats, family_targets["kimi-k2.5"], "--chat-template", tiny.KIMI_TRAIN_TEMPLATE,
+              "--eval-fraction", 0.2, "--max-length", 4096)
+    stats = json.loads((out / "stats.json").read_text())
+    a = stats["assistant"]
+    written = assistant_reconciles(out, stats)
+    assert stats["kept"] == 30 and stats["prompts_differing_from_tokenizer_template"] == 0
+    assert a["turns_trained"] == a["turns_in_data"] and a["tokens_not_trained_by_reason"] == {}
+    assert a["tokens_trained_thinking"] > 0 and a["turns_trained_as_own_sample"] > 0
+    assert any("#turn" in r["id"] for r in written)
+    tok = AutoTokenizer.from_pretrained(str(family_targets["kimi-k2.5"]))
+    assert not any("</think><think>" in tok.decode(r["input_ids"]) for r in written)
+    assert stats["chat_template"] == str(tiny.KIMI_TRAIN_TEMPLATE)
+    assert "WARNING" not in capsys.readouterr().err
+    # Kimi's own template drops the reasoning of a trained answer turn: counted by reason, and a warning line
+    own = run(tmp_path, thinking_chats, family_targets["kimi-k2.5"], "--eval-fraction", 0.2, "--max-length", 4096,
+              out="own")
+    own_stats = json.loads((own / "stats.json").read_text())
+    assistant_reconciles(own, own_stats)
+    # (Kimi keeps the reasoning of tool-call turns: only theirs is trained)
+    assert 0 < own_stats["assistant"]["tokens_trained_thinking"] < a["tokens_trained_thinking"]
+    assert own_stats["assistant"]["tokens_not_trained_by_reason"]["reasoning_not_rendered"] > 0
+    assert own_stats["template_digest"] != stats["template_digest"]
+    assert "WARNING: only" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama3.1", "generation"])
+def test_every_family_trains_every_turn_and_reconciles(tmp_path, family_targets, thinking_chats, family):
+    out = run(tmp_path, thinking_chats, family_targets[family], "--eval-fraction", 0.2, "--max-length", 4096)
+    stats = json.loads((out / "stats.json").read_text())
+    a = stats["assistant"]
+    assistant_reconciles(out, stats)
+    assert stats["kept"] == 30 and a["turns_trained"] == a["turns_in_data"]
+    if family == "qwen3":  # renders thinking: all of it is trained
+        assert a["tokens_not_trained_by_reason"] == {} and a["tokens_trained_thinking"] > 0
+        assert a["turns_trained_as_own_sample"] > 0
+    else:  # these templates have no place for reasoning: the turn is trained, its reasoning counted
+        assert set(a["tokens_not_trained_by_reason"]) == {"reasoning_not_rendered"}
+
+
+def test_kwargs_reach_the_template_and_the_digest(tmp_path, family_targets, thinking_chats):
+    default = run(tmp_path, thinking_chats, family_targets["qwen3"], "--eval-fraction", 0.2, out="default")
+    off = run(tmp_path, thinking_chats, family_targets["qwen3"], "--eval-fraction", 0.2,
+              "--chat-template-kwargs", '{"enable_thinking": false}', out="off")
+    stats = [json.loads((o / "stats.json").read_text()) for o in (default, off)]
+    assert stats[1]["chat_template_kwargs"] == {"enable_thinking": False}
+    assert stats[0]["template_digest"] != stats[1]["template_digest"]
+    # with thinking off, turns with reasoning cannot follow the prompt's closed think block
+    assert stats[1]["assistant"]["turns_not_trained_by_reason"]["template_prefix_mismatch"] > 0
+    with pytest.raises(SystemExit):
+        run(tmp_path, thinking_chats, family_targets["qwen3"], "--chat-template-kwargs", "[1]", out="bad")
+
+
+def test_rerendered_turns_as_context(tmp_path, family_targets, thinking_chats):
+    out = run(tmp_path, thinking_chats, family_targets["qwen3"], "--eval-fraction", 0.2, "--rerendered-turns",
+              "context")
+    stats = json.loads((out / "stats.json").read_text())
+    assistant_reconciles(out, stats)
+    assert stats["assistant"]["turns_trained_as_own_sample"] == 0
+    assert stats["assistant"]["turns_not_trained_by_reason"]["history_rerendered"] > 0
+    assert not any("#turn" in r["id"] for r in rows(out / "train.jsonl"))

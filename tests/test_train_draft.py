@@ -111,6 +111,7 @@ def test_resume_after_kill_gives_identical_weights(run, tmp_path, caplog):
     killed = tmp_path / "killed"
     assert train_draft.train(train_draft.parse_args(argv(run, killed)), stop_after=3) is None  # last checkpoint: 2
     assert max(r["step"] for r in metrics_rows(killed)) == 3
+    (killed / "metrics.jsonl").unlink()  # as Snakemake does with a failed job's declared outputs
     with caplog.at_level(logging.INFO):
         train_draft.train(train_draft.parse_args(argv(run, killed)))
     assert "resuming from" in caplog.text and "step-0000002 at step 2" in caplog.text
@@ -149,3 +150,33 @@ def test_bad_flags_and_inputs_are_clear_errors(run, tmp_path):
     args[1] = str(bad)
     with pytest.raises(SystemExit, match="missing key"):
         train_draft.main(args)
+
+
+def test_every_flag_changes_the_run_settings_unless_listed_as_neutral(run, tmp_path):
+    """A new flag counts as changing results until RESULT_NEUTRAL lists it; every listed one is a flag."""
+    args = train_draft.parse_args(argv(run, tmp_path))
+    flags = set(vars(args))
+    assert set(train_draft.RESULT_NEUTRAL) <= flags, set(train_draft.RESULT_NEUTRAL) - flags
+    manifest = json.loads(run["manifest"].read_text())
+    settings = train_draft.run_settings(args, manifest)
+    assert flags - set(train_draft.RESULT_NEUTRAL) <= set(settings)
+    for flag, value in (("eval_every", 2), ("checkpoint_every", 3), ("loss", "ce")):
+        changed = train_draft.run_settings(train_draft.parse_args(argv(run, tmp_path, **{flag: value})), manifest)
+        assert changed != settings, flag
+    moved = train_draft.run_settings(train_draft.parse_args(argv(run, tmp_path / "elsewhere")), manifest)
+    assert moved == settings
+
+
+def test_a_rerun_over_a_finished_training_retrains_from_scratch(run, tmp_path, caplog):
+    """What `snakemake --forcerun train_draft` does: the full curve again, not 0 steps."""
+    out = tmp_path / "train"
+    train_draft.train(train_draft.parse_args(argv(run, out, max_steps=4)))
+    first = metrics_rows(out)
+    with caplog.at_level(logging.INFO):
+        train_draft.train(train_draft.parse_args(argv(run, out, max_steps=4)))
+    assert "retraining from scratch" in caplog.text
+
+    def strip(rows):
+        return [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in rows]
+
+    assert strip(metrics_rows(out)) == strip(first) and first[-1]["step"] == 4

@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from safetensors import safe_open
 
 import tiny
 from workflow import REPO, copy_workflow, dry_run, snakemake, summary, write_config
 
 STAGES = {"prepare_data", "vocab_mapping", "extract_hidden_states", "gather_hidden_states",
-          "train_draft", "export_draft", "evaluate_offline", "plot_report", "all"}
+          "train_draft", "export_draft", "evaluate_offline", "model_card", "plot_report", "all"}
 
 
 def tiny_config(target: Path, chats: Path) -> dict:
@@ -62,7 +65,7 @@ def test_stages_keep_the_callers_pythonpath(done_run):
     seen = set((done_run / "callers_stages.txt").read_text().split())
     stages = {f"eaglepipe.{m}" for m in ("prepare_data", "vocab_mapping", "extract_hidden_states",
                                           "gather_manifest", "train_draft", "export_draft",
-                                          "evaluate", "plots")}
+                                          "evaluate", "model_card", "plots")}
     assert stages <= seen, seen
 
 
@@ -73,7 +76,7 @@ def test_end_to_end_outputs(done_run):
     assert cfg["speculators_config"]["verifier"]["name_or_path"] == "tiny/llama"
     manifest = json.loads((run / "hidden_states" / "manifest.json").read_text())
     assert cfg["eagle_aux_hidden_state_layer_ids"] == manifest["layer_ids"][:-1]
-    assert manifest["layer_ids"] == [2, 3, 6]  + [] or manifest["layer_ids"][-1] == 6
+    assert manifest["layer_ids"] == [1, 3, 5, 6]  # the default for 6 layers: 3 distinct aux ids, then N
     with safe_open(str(run / "draft" / "model.safetensors"), "pt") as f:
         assert {"d2t", "t2d", "fc.weight"} <= set(f.keys())
     offline = json.loads((run / "eval" / "offline.json").read_text())
@@ -95,12 +98,23 @@ def test_nothing_to_do_after_a_full_run(done_run):
 
 def test_training_setting_reruns_training_and_what_follows_only(done_run):
     jobs, reasons, _ = dry_run(done_run, "--config", 'train={"lr": 0.002}')
-    assert set(jobs) == {"train_draft", "export_draft", "evaluate_offline", "plot_report", "all"}
+    assert set(jobs) == {"train_draft", "export_draft", "evaluate_offline", "model_card", "plot_report", "all"}
     assert "train_draft" in reasons["params have changed since last execution"]
 
 
 def test_data_setting_reruns_from_tokenization(done_run):
     jobs, _, _ = dry_run(done_run, "--config", 'data={"max_length": 80}')
+    assert set(jobs) == STAGES
+
+
+def test_template_settings_rerun_from_tokenization(done_run):
+    jobs, reasons, _ = dry_run(done_run, "--config", 'data={"chat_template_kwargs": {"enable_thinking": false}}')
+    assert set(jobs) == STAGES and "prepare_data" in reasons["params have changed since last execution"]
+    template = done_run / "template.jinja"
+    template.write_text(tiny.CHATML_TEMPLATE)
+    jobs, _, _ = dry_run(done_run, "--config", f'data={{"chat_template": "{template}"}}')
+    assert set(jobs) == STAGES
+    jobs, _, _ = dry_run(done_run, "--config", 'data={"rerendered_turns": "context"}')
     assert set(jobs) == STAGES
 
 
@@ -110,7 +124,7 @@ def test_code_edit_reruns_that_stage_and_its_dependants(done_run):
     try:
         module.write_text(original + "\n# an edit\n")
         jobs, reasons, _ = dry_run(done_run)
-        assert set(jobs) == {"export_draft", "evaluate_offline", "plot_report", "all"}
+        assert set(jobs) == {"export_draft", "evaluate_offline", "model_card", "plot_report", "all"}
         assert "export_draft" in reasons["params have changed since last execution"]
     finally:
         module.write_text(original)
@@ -147,6 +161,107 @@ def test_kimi_preset_dry_run_plans_one_tp8_vllm_job(tmp_path):
     for flag in ("--backend vllm", "--tensor-parallel-size 8", "--layer-ids 2,30,58,61", "--trust-remote-code"):
         assert flag in block, (flag, block)
     assert "build_target" not in out  # a hub model is not built
+    card = out[out.index("rule model_card:"):]
+    assert "--tensor-parallel-size 8 --trust-remote-code" in card[: card.index("\n\n")]
+
+
+def plan(ws: Path, *args: str) -> str:
+    """The output of `snakemake -n -p`: the config printout and every planned shell command."""
+    p = snakemake(ws, "-n", "-p", *args)
+    return p.stdout + p.stderr
+
+
+def refused(ws: Path, *args: str) -> str:
+    """The output of a `snakemake -n` that must fail."""
+    p = snakemake(ws, "-n", *args, check=False)
+    assert p.returncode != 0, p.stdout + p.stderr
+    return p.stdout + p.stderr
+
+
+def planned_commands(out: str) -> dict[str, str]:
+    """rule name -> its shell command, from the output of `snakemake -n -p`."""
+    commands = {}
+    for block in out.split("\n\n"):
+        m = re.search(r"^rule (\w+):", block, re.M)
+        if m and m.group(1) not in commands:
+            commands[m.group(1)] = block.strip().splitlines()[-1]
+    return commands
+
+
+def assert_schema_defaults_not_the_demos(out: str, verifier: str) -> None:
+    assert "smollm2" not in out.lower() and "build_target" not in out, out
+    cmd = planned_commands(out)
+    for flag in ("--max-samples 0 ", "--max-length 2048 ", "--eval-fraction 0.05 "):
+        assert flag in cmd["prepare_data"], cmd["prepare_data"]
+    assert "--draft-vocab-size 32000 " in cmd["vocab_mapping"]
+    assert "--max-steps 1000 " in cmd["train_draft"]
+    assert f"--verifier-name '{verifier}'" in cmd["export_draft"]
+
+
+def test_a_user_config_file_naming_a_target_takes_the_schema_defaults(tmp_path):
+    ws = copy_workflow(tmp_path)
+    chats = tiny.make_chats(ws / "chats.jsonl", n=4)
+    (ws / "mine.yaml").write_text(yaml.safe_dump(
+        {"run_name": "mine", "target": {"model": "Qwen/Qwen3-8B", "build": None}, "data": {"path": str(chats)}}))
+    out = plan(ws, "--configfile", str(ws / "mine.yaml"))
+    assert_schema_defaults_not_the_demos(out, "Qwen/Qwen3-8B")
+    assert 'eaglepipe config; settings other than' in out and 'target.model: "Qwen/Qwen3-8B"' in out
+
+
+def test_config_on_the_command_line_naming_a_target_takes_the_schema_defaults(tmp_path):
+    ws = copy_workflow(tmp_path)
+    chats = tiny.make_chats(ws / "chats.jsonl", n=4)
+    out = plan(ws, "--config", "run_name=mine", "target={'model': 'Qwen/Qwen3-8B'}", f"data={{'path': '{chats}'}}")
+    assert_schema_defaults_not_the_demos(out, "Qwen/Qwen3-8B")
+    out = refused(ws, "--config", "target={'model': 'Qwen/Qwen3-8B'}")  # not even the demo's run name and data
+    assert "'run_name' is a required property" in out and "takes nothing from the demo preset" in out, out
+
+
+def test_build_null_on_the_command_line_uses_the_directory_as_it_is(tmp_path):
+    ws = copy_workflow(tmp_path)
+    model = tmp_path / "my-model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 6}))
+    chats = tiny.make_chats(ws / "chats.jsonl", n=4)
+    given = ("run_name=mine", f"data={{'path': '{chats}'}}")
+    out = plan(ws, "--config", *given, f"target={{'model': '{model}', 'build': null, 'deploy_name': 'me/my-model'}}")
+    cmd = planned_commands(out)
+    assert "build_target" not in cmd and f"--model {model} " in cmd["prepare_data"]
+    assert "--verifier-name 'me/my-model'" in cmd["export_draft"]
+    # a local directory without the name vLLM serves it under, or under a recipe's name, is one sentence
+    out = refused(ws, "--config", *given, f"target={{'model': '{model}', 'build': null}}")
+    assert "config key target.deploy_name is not set" in out, out
+    out = refused(ws, "--config", *given, f"target={{'model': '{model}', 'deploy_name': 'a/b', 'build': 'smollm2-gguf'}}")
+    assert "builds results/models/SmolLM2-135M-Instruct, not target.model" in out, out
+
+
+def test_layer_ids_beyond_the_target_stop_the_plan(tmp_path):
+    ws = copy_workflow(tmp_path)
+    target = tiny.make_llama(ws / "target", tokenizer=False)
+    chats = tiny.make_chats(ws / "chats.jsonl", n=4)
+    out = refused(ws, "--config", "run_name=mine", f"data={{'path': '{chats}'}}",
+                  f"target={{'model': '{target}', 'build': null, 'deploy_name': 'a/b'}}",
+                  "extract={'layer_ids': [2, 3, 4, 8]}")
+    assert "config key extract.layer_ids = [2, 3, 4, 8] does not fit the target" in out, out
+
+
+def tree_digest(root: Path) -> dict[str, tuple[int, str]]:
+    return {str(f.relative_to(root)): (f.stat().st_mode, hashlib.sha256(f.read_bytes()).hexdigest())
+            for f in sorted(root.rglob("*")) if f.is_file()} | {"/": (root.stat().st_mode, "")}
+
+
+def test_forced_reruns_never_touch_the_users_model_directory(tmp_path):
+    ws = copy_workflow(tmp_path)
+    target = tiny.make_llama(tmp_path / "users-model")
+    chats = tiny.make_chats(ws / "chats.jsonl", n=16)
+    cfg = tiny_config(target, chats)
+    cfg["train"].update(max_steps=2, eval_every=2, checkpoint_every=2)
+    write_config(ws, cfg)
+    before = tree_digest(target)
+    assert "No rule to produce build_target" in refused(ws, "--forcerun", "build_target")  # nothing builds it
+    snakemake(ws, "-F")
+    assert (ws / "results" / "tiny" / "draft" / "README.md").is_file()
+    assert tree_digest(target) == before
 
 
 def test_replicas_plan_one_job_each_and_one_gather(tmp_path):
@@ -165,3 +280,45 @@ def test_snakefmt_is_clean():
     p = subprocess.run([sys.executable, "-m", "snakefmt", "--check", "Snakefile", "rules"],
                        capture_output=True, text=True, cwd=REPO)
     assert p.returncode == 0, p.stdout + p.stderr
+
+
+def test_h200_preset_dry_run_plans_every_stage_on_one_gpu(tmp_path):
+    ws = copy_workflow(tmp_path)
+    p = snakemake(ws, "-n", "-p", "--configfile", str(REPO / "config/presets/smollm2-h200.yaml"))
+    out = p.stdout + p.stderr
+
+    def block(rule: str) -> str:
+        b = out[out.index(f"rule {rule}:"):]
+        return b[: b.index("\n\n")]
+
+    assert "--recipe smollm2-gguf" in block("build_target")  # SmolLM2 built, as in the default
+    assert "--max-samples 6000" in block("prepare_data") and "--max-length 1024" in block("prepare_data")
+    extract = block("extract_hidden_states")
+    assert out.count("rule extract_hidden_states:") == 1 and "gpu=1" in extract
+    for flag in ("VLLM_CACHE_ROOT=results/smollm2-h200/vllm-cache ", "--backend vllm",
+                 "--tensor-parallel-size 1", "--max-model-len 2048"):
+        assert flag in extract, (flag, extract)
+    train = block("train_draft")
+    assert "gpu=1" in train and "exec python -m eaglepipe.train_draft" in train
+    for flag in ("--max-steps 1000", "--batch-tokens 8192", "--lr 0.001", "--warmup-steps 50"):
+        assert flag in train, (flag, train)
+    assert "VLLM_CACHE_ROOT=results/smollm2-h200/vllm-cache " in block("benchmark_serving")
+    assert "--draft-vocab-size 16384" in block("vocab_mapping")
+
+
+def test_serving_benchmark_plans_parity_rules(tmp_path):
+    ws = copy_workflow(tmp_path)
+    jobs, _, out = dry_run(ws, "--config", 'benchmark_serving={"enabled": true}')
+    for rule in ("benchmark_serving", "extract_parity_hidden_states", "evaluate_parity", "plot_serving"):
+        assert jobs.get(rule) == 1, (rule, out)
+    p = snakemake(ws, "-n", "-p", "--config", 'benchmark_serving={"enabled": true, "k": [2, 4]}',
+                  'export={"num_speculative_tokens": 4}')
+    cmds = {line.split("eaglepipe.")[1].split()[0]: line for line in p.stdout.splitlines() if "exec python -m" in line}
+    assert "--concurrency 1,4,16,64 --k 2,4" in cmds["benchmark_serving"]
+    assert "--parity-k 4" in cmds["benchmark_serving"]
+    parity_extract = [line for line in p.stdout.splitlines()
+                      if "eaglepipe.extract_hidden_states" in line and "/eval/parity/eval.jsonl" in line]
+    assert len(parity_extract) == 1 and "/eval/parity/shards --replica 0 --replicas 1" in parity_extract[0]
+    bad = snakemake(ws, "-n", "--config", 'benchmark_serving={"enabled": true, "k": [1, 2]}', check=False)
+    assert bad.returncode != 0
+    assert "benchmark_serving.parity.k (or the export's K) 3 is not among" in bad.stdout + bad.stderr

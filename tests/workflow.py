@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import yaml
@@ -29,10 +31,7 @@ def write_config(ws: Path, cfg: dict) -> None:
     (ws / "config" / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
 
 
-def snakemake(ws: Path, *args: str, check: bool = True, timeout: int = 1500,
-              pythonpath: str | None = None) -> subprocess.CompletedProcess:
-    """Run Snakemake in ``ws``; ``pythonpath``: the caller's PYTHONPATH (none by default: the
-    rules put the workflow copy's scripts/ first, so the checkout's own is never needed)."""
+def _command(ws: Path, args, pythonpath: str | None) -> tuple[list[str], dict]:
     env = dict(os.environ)
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
     env.pop("PYTHONPATH", None)
@@ -40,6 +39,14 @@ def snakemake(ws: Path, *args: str, check: bool = True, timeout: int = 1500,
         env["PYTHONPATH"] = pythonpath
     cmd = [sys.executable, "-m", "snakemake", "--snakefile", str(ws / "Snakefile"), "--directory", str(ws),
            "--workflow-profile", "none", "--cores", "2", *args]
+    return cmd, env
+
+
+def snakemake(ws: Path, *args: str, check: bool = True, timeout: int = 1500,
+              pythonpath: str | None = None) -> subprocess.CompletedProcess:
+    """Run Snakemake in ``ws``; ``pythonpath``: the caller's PYTHONPATH (none by default: the
+    rules put the workflow copy's scripts/ first, so the checkout's own is never needed)."""
+    cmd, env = _command(ws, args, pythonpath)
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     if check and p.returncode != 0:
         logs = "\n".join(f"--- {f}\n{f.read_text()[-3000:]}" for f in sorted(ws.glob("results/**/logs/*.log")))
@@ -80,3 +87,79 @@ def summary(ws: Path, *args: str) -> dict[str, dict]:
     lines = [l for l in p.stdout.splitlines() if "\t" in l]
     header = lines[0].split("\t")
     return {row[0]: dict(zip(header, row)) for row in (l.split("\t") for l in lines[1:])}
+
+
+def start_snakemake(ws: Path, *args: str) -> subprocess.Popen:
+    """Snakemake in the background (output in ``ws/snakemake.out``), to be faulted while it runs."""
+    cmd, env = _command(ws, args, None)
+    with open(ws / "snakemake.out", "w") as out:
+        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (Snakemake starts jobs from several threads: all are looked at)."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            children = (task / "children").read_text().split()
+        except FileNotFoundError:  # the thread ended meanwhile
+            continue
+        for child in map(int, children):
+            found += [child, *descendants(child)]
+    return found
+
+
+def wait_for_line(log: Path, text: str, proc: subprocess.Popen, timeout: float = 600) -> None:
+    """Wait until ``log`` holds ``text`` (the stage reached the moment to fault it)."""
+    deadline = time.monotonic() + timeout
+    while not (log.is_file() and text in log.read_text(errors="replace")):
+        if proc.poll() is not None:
+            raise AssertionError(f"snakemake ended (rc {proc.returncode}) before {log} showed {text!r}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{log} did not show {text!r} within {timeout} s")
+        time.sleep(0.05)
+
+
+def kill_stage(proc: subprocess.Popen, module: str) -> int:
+    """kill -9 the job process running ``python -m eaglepipe.<module>`` under this Snakemake."""
+    for pid in descendants(proc.pid):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except FileNotFoundError:
+            continue
+        if f"eaglepipe.{module}".encode() in cmdline:
+            os.kill(pid, signal.SIGKILL)
+            return pid
+    raise AssertionError(f"no eaglepipe.{module} process under snakemake {proc.pid}")
+
+
+TIMING = ("tokens_per_s",)  # the only metrics that differ between two runs of the same settings
+
+
+def differences(run: Path, reference: Path) -> list[str]:
+    """What differs between two runs' results (draft tensors, metrics rows but their timing, offline
+    evaluation, the shards listed in the manifest); empty when they are the same."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+
+    found = []
+    for name in ("draft/model.safetensors",):
+        if not (run / name).is_file():
+            return [f"{name} is missing"]
+        got, want = load_file(run / name), load_file(reference / name)
+        found += [f"{name}: tensor {k}" for k in sorted(set(got) | set(want))
+                  if k not in got or k not in want or not torch.equal(got[k], want[k])]
+
+    def rows(r: Path) -> list[dict]:
+        lines = (r / "train/metrics.jsonl").read_text().splitlines()
+        return [{k: v for k, v in json.loads(x).items() if k not in TIMING} for x in lines]
+
+    if rows(run) != rows(reference):
+        found.append(f"train/metrics.jsonl: {len(rows(run))} rows vs {len(rows(reference))}, not the same")
+    for name, key in (("eval/offline.json", None), ("hidden_states/manifest.json", "splits")):
+        a, b = (json.loads((r / name).read_text()) for r in (run, reference))
+        if (a if key is None else a[key]) != (b if key is None else b[key]):
+            found.append(name)
+    return found

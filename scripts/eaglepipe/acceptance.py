@@ -116,6 +116,65 @@ def greedy_tokens(model, final_states: torch.Tensor, head: torch.Tensor, scored:
     return out
 
 
+ROW_KEYS = ("hidden_states", "input_ids", "document_ids", "loss_mask", "position_ids", "verifier_last_hidden_states")
+
+
+def row_chains(model, b: dict, head: torch.Tensor, k: int, loss_config, ttt_step_loss_decay: float = 1.0):
+    """One row (tensors on the model's device) through the draft: ([T, K] hit, evaluable, valid as in
+    ``anchor_tensors``, speculators' loss, its metrics)."""
+    draft_tokens, loss, metrics = model(**b, ttt_steps=k, ttt_step_loss_decay=ttt_step_loss_decay,
+                                        loss_config=loss_config)
+    drafts = torch.cat(draft_tokens, dim=0)  # [K, T] in the draft vocabulary
+    if model.d2t is not None:
+        drafts = drafts + model.d2t[drafts]
+    greedy = greedy_tokens(model, b["verifier_last_hidden_states"][0], head, b["loss_mask"][0].bool())
+    hit, evaluable, valid = anchor_tensors(drafts, greedy, b["input_ids"][0], b["loss_mask"][0], b["document_ids"][0])
+    return hit, evaluable, valid, loss, metrics
+
+
+def walk_counts(hit: torch.Tensor, evaluable: torch.Tensor, valid: torch.Tensor, loss_mask: torch.Tensor,
+                document_ids: torch.Tensor) -> dict:
+    """The anchors vLLM drafts at, replayed: in each document, the first scored position (the first
+    generated token), then after each draft the position past its accepted tokens and the target's
+    bonus token (t + accepted + 1), as speculative decoding advances.
+
+    Counts as vLLM's counters do: ``drafts`` and ``accepted_per_pos[i]`` = drafts whose steps 0..i
+    were all accepted. Left out and counted: ``tail``, the positions left in a document once a
+    draft's K steps would run past the scored span (vLLM drafted there too, at most once per
+    position, but the tokens to check are not in the text); ``cut``, drafts whose chain, still
+    accepted, reached a step that cannot be replayed because the text left the recomputed greedy
+    path (a numerical disagreement between the serving run and the replay)."""
+    K = hit.shape[1]
+    chain = (hit & evaluable).long().cumprod(dim=1)
+    accepted = chain.sum(dim=1)
+    # the step after the accepted ones is scored but not replayable: the chain was cut, not rejected
+    nxt = accepted.clamp(max=K - 1).unsqueeze(1)
+    cut = (accepted < K) & valid.gather(1, nxt)[:, 0] & ~evaluable.gather(1, nxt)[:, 0]
+    accepted, cut, full = accepted.tolist(), cut.tolist(), valid.all(dim=1).tolist()
+    mask, doc = loss_mask.bool().tolist(), document_ids.tolist()
+    counts = {"drafts": 0, "accepted_per_pos": [0] * K, "cut": 0, "tail": 0}
+    t, T = 0, len(mask)
+    while t < T:
+        if not mask[t]:
+            t += 1
+            continue
+        d = doc[t]
+        end = t
+        while end < T and doc[end] == d and mask[end]:  # this document's scored span is [t, end)
+            end += 1
+        while t < end:
+            if not full[t]:
+                counts["tail"] += end - t
+                break
+            counts["drafts"] += 1
+            counts["cut"] += cut[t]
+            for i in range(accepted[t]):
+                counts["accepted_per_pos"][i] += 1
+            t += accepted[t] + 1
+        t = end
+    return counts
+
+
 @torch.no_grad()
 def evaluate_rows(model, rows, head: torch.Tensor, k: int, loss_config, ttt_step_loss_decay: float = 1.0,
                   device: torch.device | str = "cpu") -> dict:
@@ -125,16 +184,8 @@ def evaluate_rows(model, rows, head: torch.Tensor, k: int, loss_config, ttt_step
     model.eval()
     total = None
     for batch in rows:
-        b = {key: batch[key].to(device) for key in
-             ("hidden_states", "input_ids", "document_ids", "loss_mask", "position_ids", "verifier_last_hidden_states")}
-        draft_tokens, loss, metrics = model(**b, ttt_steps=k, ttt_step_loss_decay=ttt_step_loss_decay,
-                                            loss_config=loss_config)
-        drafts = torch.cat(draft_tokens, dim=0)  # [K, T] in the draft vocabulary
-        if model.d2t is not None:
-            drafts = drafts + model.d2t[drafts]
-        greedy = greedy_tokens(model, b["verifier_last_hidden_states"][0], head, b["loss_mask"][0].bool())
-        hit, evaluable, valid = anchor_tensors(drafts, greedy, b["input_ids"][0], b["loss_mask"][0],
-                                               b["document_ids"][0])
+        b = {key: batch[key].to(device) for key in ROW_KEYS}
+        hit, evaluable, valid, loss, metrics = row_chains(model, b, head, k, loss_config, ttt_step_loss_decay)
         counts = chain_counts(hit, evaluable, valid)
         scored = b["loss_mask"].sum().double()
         counts["tokens"] = torch.tensor(b["input_ids"].shape[1], dtype=torch.long, device=device)
@@ -146,6 +197,23 @@ def evaluate_rows(model, rows, head: torch.Tensor, k: int, loss_config, ttt_step
     model.train(was_training)
     if total is None:
         raise SystemExit("evaluation: the split produced no rows")
+    return total
+
+
+@torch.no_grad()
+def replay_walk(model, rows, head: torch.Tensor, k: int, loss_config, device: torch.device | str = "cpu") -> dict:
+    """``walk_counts`` summed over rows: the replay of what vLLM's counters count on the same text."""
+    was_training = model.training
+    model.eval()
+    total = {"drafts": 0, "accepted_per_pos": [0] * k, "cut": 0, "tail": 0}
+    for batch in rows:
+        b = {key: batch[key].to(device) for key in ROW_KEYS}
+        hit, evaluable, valid, _, _ = row_chains(model, b, head, k, loss_config)
+        counts = walk_counts(hit, evaluable, valid, b["loss_mask"][0], b["document_ids"][0])
+        for key in ("drafts", "cut", "tail"):
+            total[key] += counts[key]
+        total["accepted_per_pos"] = [a + c for a, c in zip(total["accepted_per_pos"], counts["accepted_per_pos"])]
+    model.train(was_training)
     return total
 
 

@@ -1,14 +1,23 @@
-"""Serving benchmark on a GPU: vLLM with the exported EAGLE-3 draft against the target alone.
-
-Prompts are held-out conversations cut before their first assistant token (the chat template's
-generation header included), so both runs continue real chat-templated prompts. Each run is a fresh
-vLLM offline ``LLM`` in its own spawned process (GPU memory is fully released between them),
-greedy, ``--max-tokens`` per prompt. Acceptance comes from vLLM's own spec-decode counters
-(``LLM.get_metrics()``), counted as vLLM does: AL = 1 + accepted / drafts (bonus token counted).
+"""Serving benchmark on a GPU: vLLM with the exported EAGLE-3 draft against the target alone, by
+concurrency and K, what a user of speculative decoding pays for.
 
     python -m eaglepipe.benchmark_serving --model TARGET --draft results/run/draft \
-        --prompts results/run/data/eval.jsonl --num-prompts 64 --max-tokens 256 --k 3 \
-        --tensor-parallel-size 8 --out results/run/eval/serving.json
+        --prompts results/run/data/eval.jsonl --num-prompts 64 --max-tokens 256 \
+        --concurrency 1,4,16,64 --k 1,2,3,4,5 --min-seconds 10 --min-output-tokens 2000 \
+        --parity-k 3 --out results/run/eval/serving.json --parity-samples results/run/eval/parity/samples.jsonl
+
+Prompts are held-out conversations cut before their first assistant token. One engine per
+configuration (the target alone, then the target + draft for each K), each loaded once in its own
+spawned process (GPU memory is released between them) and measured at every concurrency C: C
+requests are kept in flight by streaming them through ``llm_engine.add_request``/``step`` (the
+prompts cycle), greedy. Each engine is warmed up once, each point again until C requests finished;
+a timed window then runs until ``--min-seconds`` and ``--min-output-tokens`` are both reached.
+Acceptance comes from vLLM's own spec-decode counters read at the window's ends.
+
+Also written: greedy outputs that differ from the target alone, explained by the target's top-2
+logit margin at the first difference (a reference pass of the target with ``logprobs=2``, raw
+logits), and, for the parity check, the exact sequences of the concurrency-1 window at
+``--parity-k`` as a samples file (prompt + continuation, loss mask on the continuation).
 """
 
 from __future__ import annotations
@@ -17,17 +26,28 @@ import argparse
 import json
 import multiprocessing
 import os
+import sys
 import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 
-from .atomic import write_json
+from .atomic import atomic_path, write_json
+from .serving_sweep import (CONVENTION, counter_delta, explain_divergences, parity_samples, recommend,
+                            spec_counters, sweep_rows, window_done)
 
 # Verified on the H200 with vLLM 0.26.0 (shared/device/README.md): flashinfer is not installed
 # there, and a parent that touched CUDA breaks forked workers.
 ENV_DEFAULTS = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
-WARMUP_PROMPTS = 4
+ENGINE_WARMUP_TOKENS = 16
+PARITY_CONCURRENCY = 1
+NEAR_TIE_NOTE = ("near_tie: the target's top-2 raw-logit margin at the first difference is at most "
+                 "near_tie_ulps units in the last place of the logit dtype at the top logit (two roundings "
+                 "of each logit plus one of the final hidden state), and the other run took the second token")
+
+
+def log(msg: str) -> None:
+    print(f"benchmark_serving: {msg}", file=sys.stderr, flush=True)
 
 
 def load_prompts(path: str | os.PathLike, num_prompts: int) -> tuple[list[list[int]], Counter]:
@@ -58,133 +78,293 @@ def load_prompts(path: str | os.PathLike, num_prompts: int) -> tuple[list[list[i
     return prompts, skipped
 
 
-def spec_counters(metrics) -> dict:
-    """Sum vLLM's spec-decode counters over engines; metrics are vllm.v1.metrics.reader objects."""
-    out = {"drafts": 0.0, "draft_tokens": 0.0, "accepted_tokens": 0.0, "accepted_per_pos": []}
-    names = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
-             "vllm:spec_decode_num_accepted_tokens": "accepted_tokens"}
-    for m in metrics:
-        if m.name in names:
-            out[names[m.name]] += m.value
-        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
-            per = out["accepted_per_pos"]
-            per.extend([0.0] * (len(m.values) - len(per)))
-            for i, v in enumerate(m.values):
-                per[i] += v
-    return out
+def top_two(position_logprobs: dict) -> list[list]:
+    """[[token, value], [token, value]] of the two highest entries of one position's logprobs dict."""
+    best = sorted(position_logprobs.items(), key=lambda kv: -kv[1].logprob)[:2]
+    return [[int(t), float(lp.logprob)] for t, lp in best]
 
 
-def acceptance(before: dict, after: dict) -> dict:
-    """Acceptance over the timed run only (counters are cumulative, the warm-up is subtracted)."""
-    drafts = after["drafts"] - before["drafts"]
-    accepted = after["accepted_tokens"] - before["accepted_tokens"]
-    drafted = after["draft_tokens"] - before["draft_tokens"]
-    per_pos = [a - (before["accepted_per_pos"][i] if i < len(before["accepted_per_pos"]) else 0.0)
-               for i, a in enumerate(after["accepted_per_pos"])]
-    return {
-        "acceptance_length": 1 + accepted / drafts if drafts else None,
-        "per_position_acceptance": [p / drafts for p in per_pos] if drafts else [],
-        "draft_acceptance_rate": accepted / drafted if drafted else None,
-        "num_drafts": int(drafts), "num_draft_tokens": int(drafted), "num_accepted_tokens": int(accepted),
-    }
+class RequestStream:
+    """Keeps ``concurrency`` requests in flight in a vLLM ``LLMEngine`` (add_request/step, as
+    extract_vllm does), cycling through the prompts; ``limit`` caps the requests added."""
+
+    def __init__(self, engine, prompts: list[list[int]], concurrency: int, params, tag: str,
+                 limit: int | None = None, clock=time.perf_counter):
+        self.engine, self.prompts, self.concurrency, self.params = engine, prompts, concurrency, params
+        self.tag, self.limit, self.clock = tag, limit, clock
+        self.added = 0
+        self.in_flight: dict[str, dict] = {}
+
+    def fill(self) -> None:
+        while len(self.in_flight) < self.concurrency and (self.limit is None or self.added < self.limit):
+            rid = f"{self.tag}-{self.added}"
+            prompt = self.added % len(self.prompts)
+            self.engine.add_request(rid, {"prompt_token_ids": self.prompts[prompt]}, self.params)
+            self.in_flight[rid] = {"id": rid, "prompt": prompt, "tokens": [], "top2": [], "first": None}
+            self.added += 1
+
+    def step(self) -> tuple[int, list[dict], float]:
+        """One engine step: (output tokens it delivered, requests it finished, when it returned)."""
+        outs = self.engine.step()
+        now = self.clock()
+        new, done = 0, []
+        for out in outs:
+            state = self.in_flight.get(out.request_id)
+            if state is None:  # the last output of a request aborted by an earlier window
+                continue
+            completion = out.outputs[0]  # DELTA outputs: the tokens (and logprobs) new in this step
+            state["tokens"].extend(int(t) for t in completion.token_ids)
+            new += len(completion.token_ids)
+            if completion.logprobs:
+                state["top2"].extend(top_two(lp) for lp in completion.logprobs)
+            if state["first"] is None and completion.token_ids:
+                state["first"] = now
+            if out.finished:
+                state["end"] = now
+                done.append(self.in_flight.pop(out.request_id))
+        return new, done, now
+
+    def abort(self) -> None:
+        if self.in_flight:
+            self.engine.abort_request(list(self.in_flight))
+            self.in_flight.clear()
+
+    def run_all(self) -> list[dict]:
+        """Step until every request (``limit`` of them) finished; the finished requests."""
+        finished = []
+        while True:
+            self.fill()
+            if not self.in_flight:
+                return finished
+            finished += self.step()[1]
 
 
-def run_engine(args: dict, prompts: list[list[int]], speculative: bool, result_path: str) -> None:
-    """One vLLM engine, one timed greedy generate; runs in a spawned child, result as JSON in a file."""
+def run_point(stream: RequestStream, *, min_seconds: float, min_output_tokens: int, min_requests: int = 0,
+              snapshot=None) -> dict:
+    """Warm up until ``concurrency`` requests finished, then time one window (serving_sweep.window_done);
+    ``snapshot()`` -> spec-decode counters, read at both ends of the window."""
+    warm = 0
+    while warm < stream.concurrency:
+        stream.fill()
+        warm += len(stream.step()[1])
+    before = snapshot() if snapshot else None
+    t0 = stream.clock()
+    tokens, finished = 0, []
+    while True:
+        stream.fill()
+        new, done, now = stream.step()
+        tokens += new
+        finished += done
+        if window_done(now - t0, tokens, len(finished), bool(done), min_seconds=min_seconds,
+                       min_output_tokens=min_output_tokens, min_requests=min_requests):
+            break
+    counters = counter_delta(before, snapshot()) if snapshot else None
+    stream.abort()
+    return {"seconds": now - t0, "output_tokens": tokens,
+            "tpot_s": [(f["end"] - f["first"]) / (len(f["tokens"]) - 1) for f in finished if len(f["tokens"]) > 1],
+            "finished": [{"id": f["id"], "prompt": f["prompt"], "tokens": f["tokens"]} for f in finished],
+            "counters": counters}
+
+
+def run_engine(settings: dict, prompts: list[list[int]], k: int | None, result_path: str) -> None:
+    """One engine (k None: the target alone), every concurrency; runs in a spawned child, writes JSON."""
     for key, value in ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
     from vllm import LLM, SamplingParams  # lazy: only this GPU stage needs vLLM
+    from vllm.sampling_params import RequestOutputKind
 
-    t0 = time.perf_counter()
+    label = "target alone" if k is None else f"target + draft, K={k}"
+    t_start = time.perf_counter()
     llm = LLM(
-        model=args["model"], tensor_parallel_size=args["tensor_parallel_size"],
-        trust_remote_code=args["trust_remote_code"],
-        max_model_len=max(map(len, prompts)) + args["max_tokens"] + args["k"] + 1,
+        model=settings["model"], tensor_parallel_size=settings["tensor_parallel_size"],
+        trust_remote_code=settings["trust_remote_code"], dtype=settings["dtype"], seed=0,
+        max_model_len=max(map(len, prompts)) + settings["max_tokens"] + (k or 0) + 1,
+        # every request pays its own prefill, as distinct user prompts would (the prompts cycle)
+        enable_prefix_caching=False,
         disable_log_stats=False,  # get_metrics() needs the stat loggers
-        speculative_config={"model": args["draft"], "method": "eagle3", "num_speculative_tokens": args["k"]}
-        if speculative else None,
+        speculative_config={"model": settings["draft"], "method": "eagle3", "num_speculative_tokens": k}
+        if k is not None else None,
+        # the reference pass's logprobs are the target's raw logits (margins on the logit scale);
+        # requests without logprobs, the timed ones, are unaffected
+        **({"logprobs_mode": "raw_logits"} if k is None else {}),
     )
-    load_s = time.perf_counter() - t0
-    greedy = SamplingParams(temperature=0.0, max_tokens=args["max_tokens"], detokenize=False)
-    llm.generate([{"prompt_token_ids": p} for p in prompts[:WARMUP_PROMPTS]],
-                 SamplingParams(temperature=0.0, max_tokens=8, detokenize=False), use_tqdm=False)
-    before = spec_counters(llm.get_metrics())
+    engine = llm.llm_engine
+    load_s = time.perf_counter() - t_start
+
+    def params(max_tokens: int, logprobs: int | None = None):
+        return SamplingParams(temperature=0.0, max_tokens=max_tokens, detokenize=False, logprobs=logprobs,
+                              output_kind=RequestOutputKind.DELTA)
+
+    concurrencies = settings["concurrency"]
     t0 = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)
-    seconds = time.perf_counter() - t0
-    tokens = [list(o.outputs[0].token_ids) for o in outs]
-    n_out = sum(map(len, tokens))
-    result = {"load_s": round(load_s, 2), "seconds": round(seconds, 3), "output_tokens": n_out,
-              "output_tokens_per_s": round(n_out / seconds, 1), "tokens": tokens}
-    if speculative:
-        result.update(acceptance(before, spec_counters(llm.get_metrics())))
+    RequestStream(engine, prompts, max(concurrencies), params(ENGINE_WARMUP_TOKENS), "warmup",
+                  limit=max(concurrencies)).run_all()
+    warmup_s = time.perf_counter() - t0
+    snapshot = (lambda: spec_counters(llm.get_metrics())) if k is not None else None
+    points, timed_s = {}, 0.0
+    for c in concurrencies:
+        parity_point = k == settings["parity_k"] and c == PARITY_CONCURRENCY
+        t0 = time.perf_counter()
+        w = run_point(RequestStream(engine, prompts, c, params(settings["max_tokens"]), f"c{c}"),
+                      min_seconds=settings["min_seconds"], min_output_tokens=settings["min_output_tokens"],
+                      min_requests=settings["parity_min_requests"] if parity_point else 0, snapshot=snapshot)
+        timed_s += w["seconds"]
+        warmup_s += time.perf_counter() - t0 - w["seconds"]
+        points[str(c)] = w
+        log(f"{label}, concurrency {c}: {w['output_tokens'] / w['seconds']:,.1f} output tokens/s over "
+            f"{w['seconds']:.1f}s ({w['output_tokens']} tokens, {len(w['finished'])} requests finished)"
+            + (f", acceptance length {1 + w['counters']['accepted_tokens'] / w['counters']['drafts']:.3f}"
+               if w["counters"] and w["counters"]["drafts"] else ""))
+    result = {"k": k, "points": points}
+    if k is None:
+        t0 = time.perf_counter()
+        ref = RequestStream(engine, prompts, len(prompts), params(settings["max_tokens"], logprobs=2), "reference",
+                            limit=len(prompts)).run_all()
+        result["reference"] = {str(f["prompt"]): {"tokens": f["tokens"], "top2": f["top2"]} for f in ref}
+        log(f"reference pass (logprobs=2, raw logits): {len(ref)} prompts in {time.perf_counter() - t0:.1f}s")
+    total_s = time.perf_counter() - t_start
+    result["time"] = {"load_s": round(load_s, 2), "warmup_s": round(warmup_s, 2), "timed_s": round(timed_s, 2),
+                      "total_s": round(total_s, 2)}
+    log(f"{label}: engine load {load_s:.1f}s, warm-up {warmup_s:.1f}s, timed {timed_s:.1f}s of {total_s:.1f}s")
     Path(result_path).write_text(json.dumps(result))
 
 
-def run_isolated(args: dict, prompts: list[list[int]], speculative: bool) -> dict:
+def run_isolated(settings: dict, prompts: list[list[int]], k: int | None) -> dict:
     ctx = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "result.json")
-        proc = ctx.Process(target=run_engine, args=(args, prompts, speculative, path))
+        proc = ctx.Process(target=run_engine, args=(settings, prompts, k, path))
         proc.start()
         proc.join()
-        label = "target + draft" if speculative else "target alone"
+        label = "target alone" if k is None else f"target + draft, K={k}"
         if proc.exitcode != 0 or not os.path.exists(path):
             raise SystemExit(f"benchmark_serving: the vLLM run ({label}) failed with exit code {proc.exitcode}; "
                              f"its error is in the log above")
         return json.loads(Path(path).read_text())
 
 
-def main(argv: list[str] | None = None) -> None:
+def first_outputs(point: dict) -> dict[str, list[int]]:
+    """Each prompt's first finished output in a window."""
+    out: dict[str, list[int]] = {}
+    for f in point["finished"]:
+        out.setdefault(str(f["prompt"]), f["tokens"])
+    return out
+
+
+def summarize(settings: dict, prompts: list[list[int]], baseline: dict,
+              speculative: dict[int, dict]) -> tuple[dict, list[dict]]:
+    """serving.json's content and the parity samples, from the engines' records."""
+    rows = sweep_rows(baseline, speculative)
+    divergences = {}
+    for engine in [baseline, *speculative.values()]:
+        for c, point in engine["points"].items():
+            d = explain_divergences(baseline["reference"], first_outputs(point), settings["dtype"],
+                                    settings["near_tie_ulps"])
+            divergences[f"{'target' if engine['k'] is None else 'k=' + str(engine['k'])},c={c}"] = d
+            row = next(r for r in rows if r["k"] == engine["k"] and str(r["concurrency"]) == c)
+            row.update(identical_outputs_fraction=d["identical_fraction"], differing_outputs=d["differing"],
+                       near_ties=d["near_ties"], not_near_ties=d["not_near_ties"])
+    flagged = [dict(d, point=key) for key, div in divergences.items() for d in div["differences"] if not d["near_tie"]]
+    parity_point = speculative[settings["parity_k"]]["points"][str(PARITY_CONCURRENCY)]
+    result = {
+        "model": settings["model"], "draft": settings["draft"], "serve_model": settings["serve_model"],
+        "tensor_parallel_size": settings["tensor_parallel_size"], "dtype": settings["dtype"],
+        "num_prompts": len(prompts), "prompt_tokens": sum(map(len, prompts)), "max_tokens": settings["max_tokens"],
+        "sampling": "greedy", "concurrency": settings["concurrency"], "k": sorted(speculative),
+        "min_seconds": settings["min_seconds"], "min_output_tokens": settings["min_output_tokens"],
+        "vllm_version": settings["vllm_version"],
+        "points": rows,
+        "recommended": recommend(rows, settings["serve_model"], settings["draft"], settings["tensor_parallel_size"]),
+        "engines": [{"k": e["k"], **e["time"]} for e in [baseline, *speculative.values()]],
+        "divergences": {"near_tie_ulps": settings["near_tie_ulps"], "rule": NEAR_TIE_NOTE,
+                        "reference": f"the target alone, all {len(prompts)} prompts at once, logprobs=2 (raw logits)",
+                        "flagged": flagged, "points": divergences},
+        "parity_run": {"k": settings["parity_k"], "concurrency": PARITY_CONCURRENCY,
+                       "requests": len(parity_point["finished"]), "counters": parity_point["counters"]},
+        "convention": CONVENTION,
+    }
+    return result, parity_samples(prompts, parity_point["finished"])
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers") from None
+    if not values or min(values) < 1 or len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected distinct integers >= 1")
+    return sorted(values)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="target: local dir or hub id")
+    p.add_argument("--serve-model", default=None, help="the name `vllm serve` is given (default: --model)")
     p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     p.add_argument("--draft", required=True, help="exported draft dir (export_draft)")
     p.add_argument("--prompts", required=True, help="eval JSONL of {input_ids, loss_mask}")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--k", type=int, required=True, help="num_speculative_tokens")
+    p.add_argument("--concurrency", type=int_list, default=[1, 4, 16, 64], help="requests in flight, e.g. 1,4,16,64")
+    p.add_argument("--k", type=int_list, required=True, help="num_speculative_tokens values, e.g. 1,2,3,4,5")
+    p.add_argument("--min-seconds", type=float, default=10.0)
+    p.add_argument("--min-output-tokens", type=int, default=2000)
+    p.add_argument("--parity-k", type=int, required=True, help="the K whose concurrency-1 window the parity replays")
+    p.add_argument("--parity-min-requests", type=int, default=32,
+                   help="that window lasts until at least this many requests finished")
+    p.add_argument("--near-tie-ulps", type=float, default=4.0)
     p.add_argument("--tensor-parallel-size", type=int, default=1)
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=True, help="serving.json")
+    p.add_argument("--parity-samples", required=True, help="JSONL of the parity window's sequences")
     a = p.parse_args(argv)
-    for flag in ("num_prompts", "max_tokens", "k", "tensor_parallel_size"):
+    for flag in ("num_prompts", "max_tokens", "tensor_parallel_size", "min_output_tokens", "parity_min_requests"):
         if getattr(a, flag) < 1:
-            raise SystemExit(f"--{flag.replace('_', '-')} {getattr(a, flag)}: must be at least 1")
+            p.error(f"--{flag.replace('_', '-')} {getattr(a, flag)}: must be at least 1")
+    if a.min_seconds <= 0 or a.near_tie_ulps <= 0:
+        p.error("--min-seconds and --near-tie-ulps must be positive")
+    if a.parity_k not in a.k:
+        p.error(f"--parity-k {a.parity_k} is not among --k {a.k} (config: benchmark_serving.parity.k must be "
+                f"one of benchmark_serving.k)")
+    if PARITY_CONCURRENCY not in a.concurrency:
+        p.error(f"--concurrency {a.concurrency} lacks {PARITY_CONCURRENCY}: the parity check replays the "
+                f"concurrency-{PARITY_CONCURRENCY} window (config: benchmark_serving.concurrency)")
     if not (Path(a.draft) / "config.json").is_file():
-        raise SystemExit(f"--draft {a.draft}: no config.json (give the directory export_draft wrote)")
+        p.error(f"--draft {a.draft}: no config.json (give the directory export_draft wrote)")
+    return a
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parse_args(argv)
     for key, value in ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
-
-    prompts, skipped = load_prompts(a.prompts, a.num_prompts)
-    print(f"benchmark_serving: {len(prompts)} prompts ({sum(map(len, prompts)):,} tokens) from {a.prompts}; "
-          f"skipped {dict(skipped) or 'none'}", flush=True)
-    args = {"model": a.model, "draft": str(Path(a.draft).resolve()), "k": a.k, "max_tokens": a.max_tokens,
-            "tensor_parallel_size": a.tensor_parallel_size, "trust_remote_code": a.trust_remote_code}
-    base = run_isolated(args, prompts, speculative=False)
-    print(f"benchmark_serving: target alone {base['output_tokens_per_s']:,} output tokens/s", flush=True)
-    spec = run_isolated(args, prompts, speculative=True)
-    print(f"benchmark_serving: target + draft {spec['output_tokens_per_s']:,} output tokens/s, "
-          f"acceptance length {spec['acceptance_length']}", flush=True)
-
-    # greedy speculative decoding is lossless up to numerics: a low share means the runs diverged
-    same = sum(x == y for x, y in zip(base.pop("tokens"), spec.pop("tokens"))) / len(prompts)
     from importlib.metadata import version
 
-    result = {
-        "model": a.model, "draft": args["draft"], "k": a.k, "tensor_parallel_size": a.tensor_parallel_size,
-        "num_prompts": len(prompts), "prompt_tokens": sum(map(len, prompts)), "skipped": dict(skipped),
-        "max_tokens": a.max_tokens, "sampling": "greedy", "vllm_version": version("vllm"),
-        "baseline": base, "speculative": spec,
-        "speedup": round(spec["output_tokens_per_s"] / base["output_tokens_per_s"], 3),
-        "acceptance_length": spec["acceptance_length"],
-        "per_position_acceptance": spec["per_position_acceptance"],
-        "identical_outputs_fraction": round(same, 4),
-        "convention": "acceptance_length = 1 + accepted / drafts (bonus token counted, vLLM spec-decode "
-                      "counters); per_position_acceptance[i] = drafts whose token i was accepted / drafts",
-    }
+    prompts, skipped = load_prompts(a.prompts, a.num_prompts)
+    log(f"{len(prompts)} prompts ({sum(map(len, prompts)):,} tokens) from {a.prompts}; "
+        f"skipped {dict(skipped) or 'none'}")
+    settings = {"model": a.model, "serve_model": a.serve_model or a.model, "draft": a.draft,
+                "tensor_parallel_size": a.tensor_parallel_size, "trust_remote_code": a.trust_remote_code,
+                "dtype": a.dtype, "max_tokens": a.max_tokens, "concurrency": a.concurrency,
+                "min_seconds": a.min_seconds, "min_output_tokens": a.min_output_tokens, "parity_k": a.parity_k,
+                "parity_min_requests": a.parity_min_requests, "near_tie_ulps": a.near_tie_ulps,
+                "vllm_version": version("vllm")}
+    # vLLM resolves a relative draft path against its own working directory: give it the absolute one
+    engine_settings = dict(settings, draft=str(Path(a.draft).resolve()))
+    baseline = run_isolated(engine_settings, prompts, None)
+    speculative = {k: run_isolated(engine_settings, prompts, k) for k in a.k}
+    result, samples = summarize(settings, prompts, baseline, speculative)
+    result["skipped_prompts"] = dict(skipped)
+    for key, div in result["divergences"]["points"].items():
+        log(f"{key}: {div['differing']} of {div['compared']} outputs differ from the reference, "
+            f"{div['near_ties']} near-ties")
+    for d in result["divergences"]["flagged"]:
+        log(f"WARNING {d['point']}, prompt {d['prompt']}: output differs at token {d['position']} and it is not a "
+            f"near-tie ({d['why']}; margin {d['margin']}, threshold {d['threshold']})")
+    with atomic_path(a.parity_samples) as tmp, open(tmp, "w") as f:
+        f.writelines(json.dumps(s) + "\n" for s in samples)
     write_json(a.out, result)
-    print(json.dumps({k: result[k] for k in ("speedup", "acceptance_length", "per_position_acceptance",
-                                             "identical_outputs_fraction")}))
+    log(f"recommended: {json.dumps(result['recommended'])}")
 
 
 if __name__ == "__main__":

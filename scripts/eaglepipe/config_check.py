@@ -7,8 +7,17 @@ checks a schema cannot express. Kept free of heavy imports: it runs at Snakefile
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import jsonschema
 import yaml
+
+from .layers import default_layer_ids, validate_layer_ids
+from .serving_limits import AUX_STATES, aux_count_error, rope_error, servable_rope
+
+# target.build recipe -> the one directory it builds (rules/data.smk's build_target writes only there).
+BUILT_TARGETS = {"smollm2-gguf": "results/models/SmolLM2-135M-Instruct"}
 
 
 def _key(path) -> str:
@@ -47,7 +56,7 @@ def coerce_cli_strings(config: dict, schema: dict) -> None:
 
     Snakemake parses ``--config 'train={"lr": 0.01}'`` with YAML's BaseLoader, so every nested
     value arrives as a string ('0.01', 'true', 'null'). Where the schema does not allow a string,
-    re-read it as YAML.
+    re-read it as YAML; where it allows both null and a string, 'null' is null (as YAML spells it).
     """
     for key, sub in (schema.get("properties") or {}).items():
         if key not in config:
@@ -55,10 +64,15 @@ def coerce_cli_strings(config: dict, schema: dict) -> None:
         value = config[key]
         types = sub.get("type")
         types = types if isinstance(types, list) else [types]
-        if isinstance(value, dict) and "object" in types:
+        if isinstance(value, dict) and "object" in types and "properties" not in sub:
+            # a free-form mapping (data.chat_template_kwargs): its values have no schema to go by
+            config[key] = {k: yaml.safe_load(v) if isinstance(v, str) else v for k, v in value.items()}
+        elif isinstance(value, dict) and "object" in types:
             coerce_cli_strings(value, sub)
         elif isinstance(value, str) and "string" not in types:
             config[key] = yaml.safe_load(value)
+        elif value == "null" and "null" in types:
+            config[key] = None
         elif isinstance(value, list) and isinstance(sub.get("items"), dict):
             if "string" not in [sub["items"].get("type")]:
                 config[key] = [yaml.safe_load(v) if isinstance(v, str) else v for v in value]
@@ -75,6 +89,10 @@ def config_errors(config: dict, schema: dict) -> list[str]:
                 out.append(f"config key {key} is not a known setting; allowed here: "
                            f"{', '.join(sorted(err.schema.get('properties', {})))}")
             continue
+        if list(err.absolute_path) == ["extract", "layer_ids"] and err.validator in ("minItems", "maxItems"):
+            out.append(f"config key extract.layer_ids = {err.instance!r} is not allowed: "
+                       f"{aux_count_error(err.instance[:-1])}; give {AUX_STATES} aux ids then num_hidden_layers")
+            continue
         if err.validator == "required":
             out.append(f"config: {err.message} (under {_key(err.absolute_path)})")
             continue
@@ -84,4 +102,101 @@ def config_errors(config: dict, schema: dict) -> list[str]:
     if isinstance(ids, list) and all(isinstance(i, int) for i in ids) and ids != sorted(set(ids)):
         out.append(f"config key extract.layer_ids = {ids} is not allowed: it must be strictly "
                    f"ascending with the final layer (num_hidden_layers) last")
+    return out
+
+
+def names_target(config: dict) -> bool:
+    """Whether the given config (config/config.yaml, --configfile, --config) names a target model.
+    One that does not is run on top of the demo preset (rules/common.smk)."""
+    target = config.get("target")
+    return isinstance(target, dict) and bool(target.get("model"))
+
+
+def is_local_target(target: dict) -> bool:
+    """A directory (built by the pipeline or the user's own) rather than a hub id, as transformers decides."""
+    return bool(target["build"]) or Path(target["model"]).is_dir()
+
+
+def deploy_name(target: dict) -> str:
+    """The name `vllm serve` is given: target.deploy_name, else the target's hub id."""
+    return target["deploy_name"] or target["model"]
+
+
+def target_config(target: dict) -> tuple[dict, str] | None:
+    """The target's config.json (its text part for multimodal targets) and where it was read, when at
+    hand without a download: a local directory, or a hub id already in the Hugging Face cache."""
+    model = target["model"]
+    path = Path(model) / "config.json"
+    if not path.is_file() and not is_local_target(target):
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(model, "config.json", revision=target["revision"])
+        path = Path(cached) if isinstance(cached, str) else None
+    if path is None or not path.is_file():
+        return None
+    with open(path) as f:
+        cfg = json.load(f)
+    return cfg.get("text_config") or cfg, str(path)
+
+
+def target_errors(config: dict) -> list[str]:
+    """The target settings checked against each other and against the target itself (after validate)."""
+    target, out = config["target"], []
+    model, build = target["model"], target["build"]
+    if build and Path(model) != Path(BUILT_TARGETS[build]):
+        out.append(f"config key target.build = {build!r} builds {BUILT_TARGETS[build]}, not target.model = "
+                   f"{model!r}: set target.build: null to use {model} as it is (the pipeline never writes it)")
+    if not is_local_target(target):
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+        try:
+            validate_repo_id(model)
+        except HFValidationError:
+            out.append(f"config key target.model = {model!r} is neither an existing directory nor a hub id "
+                       f"(org/name)")
+    elif not target["deploy_name"]:
+        out.append(f"config key target.deploy_name is not set, and target.model = {model!r} is a local directory: "
+                   f"give the hub id `vllm serve` will be given (e.g. org/name); the draft records it as its verifier")
+    found = target_config(target) if not out else None
+    if found:
+        cfg, where = found
+        n = cfg.get("num_hidden_layers")
+        ids = config["extract"]["layer_ids"]
+        try:
+            if isinstance(n, int) and ids is None:
+                default_layer_ids(n)
+            elif isinstance(n, int):
+                validate_layer_ids(ids, n)
+        except ValueError as e:
+            out.append(f"config key extract.layer_ids = {ids!r} does not fit the target ({where}: "
+                       f"num_hidden_layers {n}): {e}")
+        rope = draft_rope_error(cfg)
+        if rope:
+            out.append(f"config key target.model = {model!r} cannot get a draft vLLM serves as trained: the draft "
+                       f"takes the target's rope ({where}): {rope}")
+    return out
+
+
+def draft_rope_error(target_cfg: dict) -> str | None:
+    """The export's rope refusal, known before training: the draft takes the target's flat rope
+    (speculators' create_transformer_layer_config, draft_model.draft_layer_config). A legacy
+    rope_scaling spells rope_type as type; per-layer-type ropes are left to the export's check."""
+    rope = target_cfg.get("rope_parameters") or target_cfg.get("rope_scaling")
+    if not isinstance(rope, dict) or not ({"rope_type", "type"} & set(rope)):
+        return None
+    return rope_error(servable_rope({**rope, "rope_type": rope.get("rope_type", rope.get("type"))}))
+
+
+def changed_settings(config: dict, schema: dict, prefix: str = "") -> list[str]:
+    """'key: value' (JSON-spelled) for every setting that differs from the schema's default or has none."""
+    out = []
+    for key, sub in (schema.get("properties") or {}).items():
+        if key not in config:
+            continue
+        value, name = config[key], f"{prefix}{key}"
+        if isinstance(value, dict) and "properties" in sub:
+            out += changed_settings(value, sub, name + ".")
+        elif "default" not in sub or sub["default"] != value:
+            out.append(f"{name}: {json.dumps(value)}"
+                       + (f" (default {json.dumps(sub['default'])})" if "default" in sub else ""))
     return out

@@ -1,5 +1,10 @@
 """Offline evaluation of an exported draft (``rule evaluate_offline``): acceptance length by greedy
-chain replay on held-out hidden-state shards (acceptance.py), written to ``offline.json``."""
+chain replay on held-out hidden-state shards (acceptance.py), written to ``offline.json``.
+
+With ``--parity serving.json`` (``rule evaluate_parity``) the shards hold the sequences vLLM produced
+in the serving benchmark's parity window instead; the replay follows vLLM's drafting positions on them
+and must agree with vLLM's spec-decode counters for that window (parity.py); it exits with an error
+naming both numbers and the likely causes when it does not."""
 
 from __future__ import annotations
 
@@ -10,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .atomic import write_json
+from .atomic import read_json_object, write_json
 from .packed_data import PackedRows
 from .shards import load_manifest
 
@@ -28,6 +33,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", required=True, help="target model directory")
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--k", type=int, required=True, help="draft tokens per chain (num_speculative_tokens)")
+    p.add_argument("--parity", default=None, metavar="SERVING_JSON",
+                   help="compare with the counters of benchmark_serving's parity window instead")
+    p.add_argument("--parity-z", type=float, default=3.0, help="standard errors the parity tolerance allows")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     if args.k < 1:
@@ -47,6 +55,7 @@ def main(argv=None) -> None:
 
     set_threads()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    served = parity_run(args.parity, args.k) if args.parity else None
     try:
         manifest = load_manifest(args.manifest)
     except ValueError as e:
@@ -59,14 +68,46 @@ def main(argv=None) -> None:
     head = load_target_head(args.model).to(device)
     rows = PackedRows(manifest, args.split, EVAL_BATCH_TOKENS, shuffle=False,
                       pad_to=row_length(device, EVAL_BATCH_TOKENS)).once()
-    counts = evaluate_rows(model, rows, head, args.k, resolve_loss_config("kl_div", LOSS_IMPLEMENTATION),
-                           device=device)
+    loss_config = resolve_loss_config("kl_div", LOSS_IMPLEMENTATION)
+    if args.parity:
+        run_parity(args, served, model, rows, head, loss_config, device)
+        return
+    counts = evaluate_rows(model, rows, head, args.k, loss_config, device=device)
     result = eval_metrics(counts)
     result.update(split=args.split, draft=str(Path(args.draft)), manifest=str(Path(args.manifest)),
                   target_model=str(args.model))
     write_json(args.out, result)
     log.info("acceptance length %s (k=%d) over %d anchors; per-position acceptance %s",
              result["acceptance_length"], args.k, result["anchors"], result["per_position_acceptance"])
+
+
+def parity_run(path: str, k: int) -> dict:
+    """The parity window benchmark_serving recorded in serving.json."""
+    try:
+        run = read_json_object(path, "serving benchmark")["parity_run"]
+        if run["k"] != k:
+            raise SystemExit(f"{path}: parity_run.k is {run['k']}, --k {k}; replay the K that was served")
+        if not run["counters"]:
+            raise SystemExit(f"{path}: parity_run has no spec-decode counters")
+        return run
+    except (KeyError, TypeError, ValueError) as e:
+        raise SystemExit(f"{path}: no usable parity_run ({e!r}); rerun benchmark_serving") from e
+
+
+def run_parity(args, served: dict, model, rows, head, loss_config, device) -> None:
+    from .acceptance import replay_walk
+    from .parity import compare, report
+
+    walk = replay_walk(model, rows, head, args.k, loss_config, device=device)
+    result = compare(walk, served["counters"], z=args.parity_z)
+    result.update(requests=served["requests"], concurrency=served["concurrency"], manifest=str(Path(args.manifest)),
+                  draft=str(Path(args.draft)), serving=str(Path(args.parity)), replay_counts=walk,
+                  served_counts=served["counters"])
+    text = report(result)
+    log.info("%s", text)
+    if not result["agree"]:
+        raise SystemExit(text)
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
-"""Export a trained draft as the directory vLLM serves: config.json + model.safetensors + README.md.
+"""Export a trained draft as the directory vLLM serves: config.json + model.safetensors.
 
 The checkpoint is speculators' ``save_pretrained`` output of an ``Eagle3DraftModel``; the export is
 the same format (vLLM loads it natively, research/speculators.md §1.5-1.6) with the deploy-time
 verifier name, K, bf16 weights, and optionally without ``embed_tokens`` (vLLM then shares the
 target's, which training never changes). Everything is checked before the directory appears, and
-the result is round-trip loaded with speculators against the training target.
+the result is round-trip loaded with speculators against the training target. What vLLM 0.26.0
+cannot serve as trained (serving_limits.py) is refused. The model card (README.md) is the
+model_card stage's, written once the draft has been evaluated.
 
     python -m eaglepipe.export_draft --summary results/run/train/summary.json --which best \
         --verifier-name moonshotai/Kimi-K2.5 --num-speculative-tokens 3 --drop-embedding \
@@ -23,16 +25,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from . import mla_draft
 from .atomic import atomic_dir, read_json_object
-from .layers import CONVENTION
+from .serving_limits import DRAFT_ARCHS, NORM_FLAGS, aux_count_error, rope_error
 
 SUMMARY_KEYS = ("best", "last", "steps", "best_eval", "layer_ids", "aux_layer_ids", "target_model",
                 "draft_vocab_size", "ttt_steps")
 EMBED = "embed_tokens.weight"
-# What vLLM 0.26.0 reads from an EAGLE-3 config (algos.py update_eagle3, /tmp/prompts/vllm_norms.md).
-VLLM_NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
-VLLM_DRAFT_ARCHS = ("llama", "qwen3")
-CARD_NAME = "README.md"
 
 
 class ExportError(ValueError):
@@ -74,15 +73,23 @@ def resolve_checkpoint(summary_path: str | os.PathLike, summary: dict, which: st
 
 # ----------------------------------------------------------------------------- checks
 def check_serving_flags(config: dict, where: str) -> None:
-    """Refuse a draft whose config asks for something vLLM 0.26.0 would silently not do."""
-    arch = config.get("transformer_layer_config", {}).get("model_type")
-    if arch not in VLLM_DRAFT_ARCHS:
+    """Refuse a draft whose config vLLM 0.26.0 would not load or would serve differently from how it was trained."""
+    layer_config = config.get("transformer_layer_config", {})
+    arch = layer_config.get("model_type")
+    if arch not in DRAFT_ARCHS:
         raise ExportError(f"{where}: transformer_layer_config.model_type is {arch!r}; vLLM serves EAGLE-3 "
-                          f"drafts of type {list(VLLM_DRAFT_ARCHS)} only")
-    unknown = sorted(k for k, v in config.items() if "norm" in k and k not in VLLM_NORM_FLAGS and v)
+                          f"drafts of type {list(DRAFT_ARCHS)} only")
+    unknown = sorted(k for k, v in config.items() if "norm" in k and k not in NORM_FLAGS and v)
     if unknown:
         raise ExportError(f"{where}: norm flag(s) {unknown} are set but vLLM 0.26.0 ignores them (it honours "
-                          f"{list(VLLM_NORM_FLAGS)}): the served draft would differ from the trained one")
+                          f"{list(NORM_FLAGS)}): the served draft would differ from the trained one")
+    aux_error = aux_count_error(config.get("eagle_aux_hidden_state_layer_ids") or [])
+    if aux_error:
+        raise ExportError(f"{where}: eagle_aux_hidden_state_layer_ids: {aux_error}; extract.layer_ids must list "
+                          f"3 aux ids then num_hidden_layers")
+    rope = rope_error(layer_config.get("rope_parameters"))
+    if rope:
+        raise ExportError(f"{where}: transformer_layer_config.rope_parameters: {rope}")
     if config.get("speculators_model_type") != "eagle3":
         raise ExportError(f"{where}: speculators_model_type is {config.get('speculators_model_type')!r}, expected 'eagle3'")
 
@@ -135,7 +142,7 @@ def export_config(config: dict, summary: dict, verifier_name: str, k: int, where
     out["dtype"] = "bfloat16"
     out["eagle_aux_hidden_state_layer_ids"] = aux
     # vLLM's defaults differ from speculators' (norm_before_residual: True vs False): always write them.
-    for flag in VLLM_NORM_FLAGS:
+    for flag in NORM_FLAGS:
         out[flag] = bool(config.get(flag, False))
     spec = out["speculators_config"]
     spec["verifier"]["name_or_path"] = verifier_name
@@ -144,58 +151,6 @@ def export_config(config: dict, summary: dict, verifier_name: str, k: int, where
         raise ExportError(f"{where}: speculators_config.proposal_methods is empty")
     methods[0]["speculative_tokens"] = int(k)
     return out
-
-
-def serve_command(target: str, draft_dir: str, k: int) -> str:
-    spec = json.dumps({"model": draft_dir, "method": "eagle3", "num_speculative_tokens": k})
-    return f"vllm serve {target} --speculative-config '{spec}'"
-
-
-def read_data_stats(path: Path) -> dict | None:
-    """prepare_data's stats.json beside the run, for the card only; absent or unreadable -> None."""
-    try:
-        stats = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    return stats if isinstance(stats, dict) else None
-
-
-def model_card(config: dict, summary: dict, ckpt: Path, which: str, out_dir: Path, k: int,
-               dropped: bool, data_stats: dict | None) -> str:
-    verifier = config["speculators_config"]["verifier"]["name_or_path"]
-    tl = config["transformer_layer_config"]
-    lines = [
-        f"# EAGLE-3 draft for `{verifier}`",
-        "",
-        "Trained with eaglepipe (speculators EAGLE-3 model and losses); speculators format, served natively by vLLM.",
-        "",
-        "## Serve",
-        "```",
-        serve_command(verifier, str(out_dir.resolve()), k),
-        "```",
-        "",
-        "## Draft",
-        f"- target (verifier): `{verifier}`; trained against `{summary['target_model']}`",
-        f"- decoder: {tl.get('num_hidden_layers')} x {tl.get('model_type')} layer, hidden {tl.get('hidden_size')}, "
-        f"draft vocab {config['draft_vocab_size']} of {tl.get('vocab_size')}",
-        f"- aux layer ids {summary['aux_layer_ids']} (all captured ids {summary['layer_ids']}); convention: {CONVENTION}",
-        "- norm flags: " + ", ".join(f"{f}={config[f]}" for f in VLLM_NORM_FLAGS),
-        f"- num_speculative_tokens {k} (trained with {summary['ttt_steps']} TTT steps)",
-        f"- embed_tokens: {'left out, vLLM shares the target embedding' if dropped else 'included'}",
-        "",
-        "## Training",
-        f"- checkpoint: {which} = `{ckpt.name}` of {summary['steps']} steps",
-        f"- training tokens: {summary.get('train_tokens', 'n/a')}",
-    ]
-    if data_stats:
-        lines.append(f"- data: {data_stats.get('read', 'n/a')} conversations read, {data_stats.get('kept', 'n/a')} kept, "
-                     f"skipped {data_stats.get('skipped', {})}")
-    ev = summary.get("best_eval") or {}
-    lines.append(f"- offline acceptance length (best eval, bonus token counted): {ev.get('acceptance_length', 'n/a')}")
-    for key, value in ev.items():
-        if key != "acceptance_length":
-            lines.append(f"  - {key}: {value}")
-    return "\n".join(lines) + "\n"
 
 
 def roundtrip_check(out_dir: Path, target: str, written: dict[str, torch.Tensor], name: Path) -> None:
@@ -230,7 +185,8 @@ def export_draft(summary_path: str, which: str, verifier_name: str, k: int, drop
         config = json.loads((ckpt / "config.json").read_text())
     except json.JSONDecodeError as e:
         raise ExportError(f"{where}: config.json is not valid JSON ({e})") from e
-    check_serving_flags(config, where)
+    mla = mla_draft.is_mla_checkpoint(config)  # MLA drafts: see the "MLA drafts" section below
+    (prepare_mla if mla else check_serving_flags)(config, where)
     try:
         tensors = load_file(str(ckpt / "model.safetensors"))
     except Exception as e:  # safetensors raises several error types for damaged files
@@ -238,6 +194,7 @@ def export_draft(summary_path: str, which: str, verifier_name: str, k: int, drop
     shapes, optional = expected_shapes(config)
     check_tensors(tensors, shapes, optional, where)
     out_cfg = export_config(config, summary, verifier_name, k, where)
+    written_cfg = mla_draft.served_config(out_cfg) if mla else out_cfg
 
     saved = 0
     if drop_embedding and EMBED in tensors:
@@ -252,12 +209,10 @@ def export_draft(summary_path: str, which: str, verifier_name: str, k: int, drop
         raise ExportError(f"--out-dir {out} already holds {sorted(p.name for p in out.iterdir())}; "
                           f"a delivered draft is never overwritten, delete it on purpose")
     with atomic_dir(out) as tmp:  # an empty out-dir (Snakemake may create it) is replaced
-        (tmp / "config.json").write_text(json.dumps(out_cfg, indent=2, sort_keys=True) + "\n")
+        (tmp / "config.json").write_text(json.dumps(written_cfg, indent=2, sort_keys=True) + "\n")
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        data_stats = read_data_stats(Path(summary_path).parent.parent / "data" / "stats.json")
-        (tmp / CARD_NAME).write_text(model_card(out_cfg, summary, ckpt, which, out, k, EMBED not in tensors, data_stats))
         validate_export(tmp)
-        roundtrip_check(tmp, summary["target_model"], tensors, out)
+        (mla_roundtrip_check if mla else roundtrip_check)(tmp, summary["target_model"], tensors, out)
     return {"checkpoint": str(ckpt), "out_dir": str(out), "embedding_bytes_saved": saved,
             "bytes": (out / "model.safetensors").stat().st_size}
 
@@ -269,8 +224,11 @@ def validate_export(draft_dir: str | os.PathLike) -> dict:
         if not (d / name).is_file():
             raise ExportError(f"export {d}: {name} is missing")
     config = json.loads((d / "config.json").read_text())
+    if mla_draft.is_served_config(config):
+        validate_mla_export(d, config)
+        return config
     required = ("speculators_model_type", "draft_vocab_size", "eagle_aux_hidden_state_layer_ids",
-                "transformer_layer_config", "speculators_config", *VLLM_NORM_FLAGS)
+                "transformer_layer_config", "speculators_config", *NORM_FLAGS)
     missing = [k for k in required if k not in config]
     spec = config.get("speculators_config", {})
     if not spec.get("verifier", {}).get("name_or_path"):
@@ -288,6 +246,51 @@ def validate_export(draft_dir: str | os.PathLike) -> dict:
     if lacking or extra:
         raise ExportError(f"export {d / 'model.safetensors'}: missing tensor(s) {lacking}, unexpected {extra}")
     return config
+
+
+# ----------------------------------------------------------------------------- MLA drafts
+# An MLA draft (mla_draft.py) trains as a speculators checkpoint like any other, but vLLM 0.26.0
+# serves it as Eagle3DeepseekV3ForCausalLM from a plain DeepseekV3 config (mla_draft.served_config).
+def check_mla_servable(config: dict, layer: dict, where: str) -> None:
+    try:
+        mla_draft.check_servable(config, layer, where)
+    except ValueError as e:
+        raise ExportError(str(e)) from e
+
+
+def prepare_mla(config: dict, where: str) -> None:
+    """Refuse what vLLM would serve differently; let speculators build the layer (expected_shapes)."""
+    check_mla_servable(config, config["transformer_layer_config"], where)
+    mla_draft.register_with_speculators()
+
+
+def validate_mla_export(d: Path, config: dict) -> None:
+    """Names and shapes against what vLLM's Eagle3DeepseekV2ForCausalLM builds for this config."""
+    where = f"export {d / 'config.json'}"
+    missing = [k for k in ("architectures", "draft_vocab_size", "eagle_aux_hidden_state_layer_ids", "kv_lora_rank",
+                           "num_aux_hidden_states", *NORM_FLAGS) if k not in config]
+    if missing:
+        raise ExportError(f"{where}: missing key(s) {missing}")
+    if "speculators_config" in config:
+        raise ExportError(f"{where}: has speculators_config, so vLLM would read it as the speculators format, "
+                          f"which has no MLA layer")
+    check_mla_servable(config, config, where)  # the layer fields are top-level here
+    tensors = load_file(str(d / "model.safetensors"))
+    check_tensors(tensors, mla_draft.served_shapes(config), {EMBED}, f"export {d / 'model.safetensors'} "
+                  f"(as vLLM's {mla_draft.SERVED_ARCHITECTURE} loads it)")
+
+
+def mla_roundtrip_check(out_dir: Path, target: str, written: dict[str, torch.Tensor], name: Path) -> None:
+    """Load the MLA export as evaluation does (draft_model.load_draft) and compare the tensors."""
+    from .draft_model import load_draft
+
+    try:
+        state = load_draft(out_dir, target).state_dict()
+    except SystemExit as e:  # load_draft's errors are its CLI messages
+        raise ExportError(f"export {name}: cannot be loaded against the target {target}: {e}") from e
+    for key, t in written.items():
+        if not torch.equal(state[key].to(t.dtype), t):
+            raise ExportError(f"export {name}: tensor {key!r} reads back different from what was written")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -309,7 +312,6 @@ def main(argv: list[str] | None = None) -> None:
     print(f"exported {info['checkpoint']} -> {info['out_dir']} ({info['bytes']:,} bytes of weights)")
     if args.drop_embedding:
         print(f"embed_tokens left out: {info['embedding_bytes_saved']:,} bytes saved (vLLM shares the target's)")
-    print("serve with:", serve_command(args.verifier_name, str(Path(args.out_dir).resolve()), args.num_speculative_tokens))
     sys.stdout.flush()
 
 

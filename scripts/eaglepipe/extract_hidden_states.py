@@ -28,8 +28,10 @@ import torch
 from safetensors import safe_open
 
 from . import shards
-from .atomic import remove_stale_temporaries
-from .checksum import CHECKSUM, file_checksum
+from .atomic import read_json_object, remove_stale_temporaries
+from .checksum import CHECKSUM
+from .dir_lock import dir_lock
+from .model_dir import check_model_dir
 from .layers import CONVENTION, resolve_layer_ids
 from .progress import TokenProgress
 from .writer_pool import POOLS, make_pool
@@ -132,10 +134,29 @@ def tokenizer_digest(model: str, revision: str | None) -> str | None:
     return h.hexdigest()[:16] if found else None
 
 
-def settings_of(args, layer_ids: list[int]) -> dict:
-    """What decides a shard's content, whichever backend computed it."""
-    s = {"model": args.model, "revision": args.revision, "layer_ids": layer_ids, "dtype": args.dtype,
-         "storage_dtype": args.storage_dtype, "format_version": shards.FORMAT_VERSION}
+# Flags that do not change what a shard holds; every other flag does (a new flag counts until it
+# is listed here), so a shard made with any other value is never reused. The backend, device and
+# vLLM engine flags count: other kernels give other bits.
+RESULT_NEUTRAL = {
+    "train": "each shard's samples are compared one by one",
+    "eval": "each shard's samples are compared one by one",
+    "batch_size": "each shard's samples are compared one by one",
+    "trust_remote_code": "whether the target's own code may load",
+    "staging_dir": "where vLLM's files wait",
+    "connector_threads": "how vLLM's files are written",
+    "writer_pool": "how shards are written",
+    "shard_dir": "where shards go",
+    "replica": "which shards this job makes",
+    "replicas": "which shards this job makes",
+    "out": "where the part manifest goes",
+}
+
+
+def settings_of(args, layer_ids: list[int], tokenizer: str | None) -> dict:
+    """What decides a shard's content: every flag not RESULT_NEUTRAL (layer ids resolved), the
+    tokenizer's digest (shards of another tokenizer are never reused) and the format version."""
+    s = {k: v for k, v in vars(args).items() if k not in RESULT_NEUTRAL}
+    s.update(layer_ids=layer_ids, tokenizer_digest=tokenizer, format_version=shards.FORMAT_VERSION)
     s["digest"] = hashlib.sha256(json.dumps(s, sort_keys=True).encode()).hexdigest()[:16]
     return s
 
@@ -145,7 +166,14 @@ def shard_name(split: str, batch: int) -> str:
 
 
 def reusable_row(path: Path, batch: list[Sample], digest: str, num_layers: int, hidden: int):
-    """The manifest row of an existing shard that holds exactly this batch with these settings, else None."""
+    """The manifest row of an existing intact shard that holds exactly this batch with these
+    settings, else None (a damaged one is logged)."""
+    if not path.is_file():
+        return None
+    problem = shards.recorded_damage(path)
+    if problem:
+        log(f"shard {path} {problem}: rebuilding it")
+        return None
     if not shards.shard_is_valid(path):
         return None
     try:
@@ -173,8 +201,9 @@ def reusable_row(path: Path, batch: list[Sample], digest: str, num_layers: int, 
                 return None
     except Exception:  # unreadable in any way: rewrite it
         return None
+    checksum = read_json_object(shards.checksum_path(path), "shard checksum")[CHECKSUM]  # just verified
     return {"file": path.name, "samples": len(kept), "tokens": T, "bytes": path.stat().st_size,
-            CHECKSUM: file_checksum(path)}, meta.get("skipped", [])
+            CHECKSUM: checksum}, meta.get("skipped", [])
 
 
 def all_finite(x: torch.Tensor) -> bool:
@@ -207,6 +236,7 @@ def pack_and_write(path: Path, split: str, b: int, batch: list[Sample], loaded, 
         states.append(hs)
     if not kept:
         path.unlink(missing_ok=True)
+        shards.checksum_path(path).unlink(missing_ok=True)
         return None, skipped
     offsets = [0]
     for s in kept:
@@ -369,6 +399,13 @@ def load_backend(args, layer_ids, num_hidden_layers, staging: Path | None):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    check_model_dir(args.model)
+    # replicas share the shard directory (disjoint batches): one lock per replica
+    with dir_lock(args.shard_dir, f".lock-replica{args.replica}"):
+        run(args)
+
+
+def run(args) -> None:
     from transformers import AutoConfig
 
     try:
@@ -379,7 +416,8 @@ def main(argv=None) -> None:
     N, H, V = cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size
     layer_ids = parse_layer_ids(args.layer_ids, N)
     L = len(layer_ids)
-    settings = settings_of(args, layer_ids)
+    tokenizer = tokenizer_digest(args.model, args.revision)
+    settings = settings_of(args, layer_ids, tokenizer)
     shard_dir = Path(args.shard_dir)
     shard_dir.mkdir(parents=True, exist_ok=True)
     stale = remove_stale_temporaries(shard_dir)
@@ -456,7 +494,7 @@ def main(argv=None) -> None:
     # ---- extract what is missing
     meta = {"layer_ids": layer_ids, "layer_convention": CONVENTION,
             "target": {"model": args.model, "revision": args.revision}, "dtype": args.dtype,
-            "tokenizer_digest": tokenizer_digest(args.model, args.revision),
+            "tokenizer_digest": tokenizer,
             "settings_digest": settings["digest"], "backend": args.backend}
     load_s = 0.0
     progress = {"tokens": 0, "seconds": 0.0, "tokens_per_s": 0.0}

@@ -16,14 +16,18 @@ CONVENTION = (
 
 
 def default_layer_ids(num_hidden_layers: int) -> list[int]:
-    """EAGLE-3's aux taps [2, N//2, N-3] plus the final layer N (Kimi-K2.5: [2, 30, 58, 61])."""
+    """EAGLE-3's aux taps [2, N//2, N-3] plus the final layer N (Kimi-K2.5: [2, 30, 58, 61]).
+
+    Three distinct aux ids always (vLLM's draft reads exactly three, serving_limits.AUX_STATES): for
+    N <= 6, where those collide, [1, N//2, N-1]; fewer than 4 layers have no three to give.
+    """
     n = num_hidden_layers
     if n < 4:
         raise ValueError(
-            f"the default layer ids [2, N//2, N-3, N] need at least 4 decoder layers, the target has "
-            f"{n}; give extract.layer_ids explicitly"
+            f"the target has {n} decoder layers, fewer than the 4 that three distinct aux ids plus the "
+            f"final layer need; give extract.layer_ids explicitly"
         )
-    aux = sorted({min(2, n - 1), max(1, n // 2), max(1, n - 3)})
+    aux = [2, n // 2, n - 3] if n > 6 else [1, n // 2, n - 1]
     return aux + [n]
 
 

@@ -37,6 +37,14 @@ class PackedRows:
         self.shards = shard_paths(manifest, split)
         if not self.shards:
             raise SystemExit(f"manifest {manifest.get('_path')}: split {split!r} has no shards")
+        # a stat per shard: a deleted or truncated shard stops the run here, not when it is reached
+        for path, row in self.shards:
+            size = path.stat().st_size if path.is_file() else None
+            if size != row["bytes"]:
+                found = "does not exist" if size is None else f"has {size} bytes"
+                raise SystemExit(f"shard {path} {found}, manifest {manifest.get('_path')} records {row['bytes']} "
+                                 "bytes; rerun with --forcerun extract_hidden_states (intact shards are reused)")
+        self.settings_digest = manifest.get("settings", {}).get("digest")
         self.split = split
         self.num_layers = len(manifest["layer_ids"])
         self.batch_tokens = batch_tokens
@@ -134,7 +142,15 @@ class PackedRows:
     def _shard(self, si: int) -> Shard:
         if self._cached is None or self._cached[0] != si:
             path = self.shards[si][0]
-            shard = read_shard(path)
+            try:
+                shard = read_shard(path)
+            except (OSError, ValueError) as e:
+                raise SystemExit(f"shard {path}: cannot be read ({e}); rerun with --forcerun "
+                                 "extract_hidden_states (intact shards are reused)") from e
+            if self.settings_digest and shard.metadata.get("settings_digest") != self.settings_digest:
+                raise SystemExit(f"shard {path} was made with other settings (digest "
+                                 f"{shard.metadata.get('settings_digest')}) than the manifest's "
+                                 f"{self.settings_digest}; rerun with --forcerun extract_hidden_states")
             if shard.hidden_states.shape[1] != self.num_layers:
                 raise SystemExit(f"shard {path}: hidden_states has {shard.hidden_states.shape[1]} layers, "
                                  f"the manifest lists {self.num_layers} layer ids")

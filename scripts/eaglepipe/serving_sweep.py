@@ -1,0 +1,217 @@
+"""Bookkeeping of the serving benchmark, free of vLLM: counters, points, speedups, the recommended K,
+the explanation of non-identical greedy outputs, and the parity samples.
+
+benchmark_serving.py drives the engines and hands this module plain numbers and token lists, so all
+of it is testable on a CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shlex
+
+# vLLM 0.26.0's spec-decode counters (vllm/v1/spec_decode/metrics.py, SpecDecodingProm) as
+# LLM.get_metrics() names them (vllm/v1/metrics/reader.py strips the "_total" suffix).
+COUNTERS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+            "vllm:spec_decode_num_accepted_tokens": "accepted_tokens"}
+PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+CONVENTION = ("acceptance_length = 1 + accepted / drafts (the bonus token counted, vLLM's spec-decode counters); "
+              "accepted_per_position[i] = drafts whose tokens 0..i were all accepted (vLLM's per-position "
+              "counter), per_position_acceptance[i] = accepted_per_position[i] / drafts; speedup = output "
+              "tokens/s with the draft / without, at the same concurrency; tpot = time per output token of a "
+              "request, (finish - first token) / (tokens - 1), averaged over the requests finished in the window")
+
+# Significant bits of the logits' dtype (vLLM's lm_head runs in the model dtype)
+SIGNIFICAND_BITS = {"bfloat16": 8, "float16": 11}
+
+
+def spec_counters(metrics) -> dict:
+    """Sum vLLM's spec-decode counters over engines; ``metrics`` are vllm.v1.metrics.reader objects
+    (anything with ``name`` and ``value`` or, for the per-position vector, ``values``)."""
+    out = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0, "accepted_per_pos": []}
+    for m in metrics:
+        if m.name in COUNTERS:
+            out[COUNTERS[m.name]] += int(m.value)
+        elif m.name == PER_POSITION:
+            per = out["accepted_per_pos"]
+            per.extend([0] * (len(m.values) - len(per)))
+            for i, v in enumerate(m.values):
+                per[i] += int(v)
+    return out
+
+
+def counter_delta(before: dict, after: dict) -> dict:
+    """What the counters counted between two snapshots (they are cumulative)."""
+    pos_before = before["accepted_per_pos"] + [0] * (len(after["accepted_per_pos"]) - len(before["accepted_per_pos"]))
+    return {"drafts": after["drafts"] - before["drafts"],
+            "draft_tokens": after["draft_tokens"] - before["draft_tokens"],
+            "accepted_tokens": after["accepted_tokens"] - before["accepted_tokens"],
+            "accepted_per_pos": [a - b for a, b in zip(after["accepted_per_pos"], pos_before)]}
+
+
+def acceptance(counts: dict) -> dict:
+    """Acceptance figures from a counter delta."""
+    drafts = counts["drafts"]
+    return {
+        "acceptance_length": round(1 + counts["accepted_tokens"] / drafts, 4) if drafts else None,
+        "per_position_acceptance": [round(a / drafts, 4) for a in counts["accepted_per_pos"]] if drafts else [],
+        "draft_acceptance_rate": round(counts["accepted_tokens"] / counts["draft_tokens"], 4)
+        if counts["draft_tokens"] else None,
+        "num_drafts": drafts,
+        "accepted_per_position": counts["accepted_per_pos"],
+    }
+
+
+def window_done(seconds: float, output_tokens: int, finished: int, finished_this_step: bool, *,
+                min_seconds: float, min_output_tokens: int, min_requests: int = 0) -> bool:
+    """A timed window ends at the first step boundary where a request finished and every minimum is met.
+
+    Ending only where a request finished makes a concurrency-1 window hold whole requests, so the
+    spec-decode counters read at its ends count exactly the requests it finished (the parity check
+    replays those)."""
+    return (finished_this_step and seconds >= min_seconds and output_tokens >= min_output_tokens
+            and finished >= min_requests)
+
+
+def point_row(concurrency: int, k: int | None, window: dict) -> dict:
+    """One measured point from an engine's window record (see benchmark_serving.run_point)."""
+    tpot = window["tpot_s"]
+    row = {
+        "concurrency": concurrency, "k": k,
+        "output_tokens": window["output_tokens"], "seconds": round(window["seconds"], 3),
+        "output_tokens_per_s": round(window["output_tokens"] / window["seconds"], 1),
+        "mean_tpot_ms": round(1000 * sum(tpot) / len(tpot), 3) if tpot else None,
+        "requests_finished": len(window["finished"]),
+    }
+    if k is not None:
+        row.update(acceptance(window["counters"]))
+    return row
+
+
+def sweep_rows(baseline: dict, speculative: dict[int, dict]) -> list[dict]:
+    """Rows of every point: the baseline's, then each K's with its speedup over the baseline at the
+    same concurrency. ``baseline``/``speculative[k]``: engine records with ``points`` keyed by
+    concurrency (as strings, JSON keys)."""
+    rows = [point_row(int(c), None, w) for c, w in baseline["points"].items()]
+    base = {r["concurrency"]: r for r in rows}
+    for k, engine in sorted(speculative.items()):
+        for c, w in engine["points"].items():
+            row = point_row(int(c), k, w)
+            b = base.get(row["concurrency"])
+            if b is None:
+                raise ValueError(f"K={k} measured concurrency {c}, the baseline did not")
+            row["speedup"] = round(row["output_tokens_per_s"] / b["output_tokens_per_s"], 3)
+            row["tpot_ratio"] = round(row["mean_tpot_ms"] / b["mean_tpot_ms"], 3) \
+                if row["mean_tpot_ms"] and b["mean_tpot_ms"] else None
+            rows.append(row)
+    return rows
+
+
+def serve_command(model: str, draft: str, k: int, tensor_parallel_size: int) -> str:
+    spec = json.dumps({"model": draft, "method": "eagle3", "num_speculative_tokens": k})
+    tp = f" --tensor-parallel-size {tensor_parallel_size}" if tensor_parallel_size > 1 else ""
+    return f"vllm serve {shlex.quote(model)}{tp} --speculative-config {shlex.quote(spec)}"
+
+
+def recommend(rows: list[dict], model: str, draft: str, tensor_parallel_size: int) -> dict:
+    """The K with the highest speedup at each concurrency (ties: the smaller K, it costs less draft
+    compute), null where no K is faster than the target alone; ``k`` is the best K at the lowest
+    concurrency measured (1 by default, the case speculative decoding is for), whatever its speedup,
+    with its serve command."""
+    best: dict[int, dict] = {}
+    for r in rows:
+        if r["k"] is None:
+            continue
+        c = r["concurrency"]
+        if c not in best or (r["speedup"], -r["k"]) > (best[c]["speedup"], -best[c]["k"]):
+            best[c] = r
+    if not best:
+        raise ValueError("no speculative point was measured")
+    k = best[min(best)]["k"]
+    return {"by_concurrency": {str(c): best[c]["k"] if best[c]["speedup"] > 1 else None for c in sorted(best)}, "k": k,
+            "serve_command": serve_command(model, draft, k, tensor_parallel_size)}
+
+
+# ---- non-identical greedy outputs
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token; a strict prefix differs at its end; None when equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def logit_ulp(value: float, dtype: str) -> float:
+    """Spacing of representable numbers of ``dtype`` at ``value`` (one unit in the last place)."""
+    bits = SIGNIFICAND_BITS[dtype]
+    exponent = math.frexp(abs(value))[1] - 1 if value else -126
+    return 2.0 ** (exponent - (bits - 1))
+
+
+def near_tie_threshold(top_logit: float, dtype: str, ulps: float) -> float:
+    """The margin below which two greedy runs of the same model may pick different tokens.
+
+    Each run rounds both logits to ``dtype`` (half an ulp each, so up to 2 ulps on the margin when the
+    two runs round opposite ways), and the final hidden state itself carries one rounding of relative
+    size 2^-bits, which moves each logit by about half an ulp of its magnitude: about 2 ulps more
+    (on top of that, batch-dependent kernels reorder sums in every layer). 4 ulps is the default."""
+    return ulps * logit_ulp(top_logit, dtype)
+
+
+def explain_divergences(reference: dict[str, dict], outputs: dict[str, list[int]], dtype: str,
+                        ulps: float) -> dict:
+    """Compare greedy outputs with the reference run of the target alone, per prompt.
+
+    ``reference[prompt]``: {"tokens": [...], "top2": [[[token, logit], [token, logit]], ...]} (the
+    target's two highest raw logits at each generated position); ``outputs[prompt]``: tokens.
+    A difference is a near-tie when the reference's top-2 margin at the first differing position
+    is under the bf16-scale threshold and the other run took the reference's second token there.
+    """
+    details = []
+    compared = 0
+    for prompt, tokens in sorted(outputs.items(), key=lambda kv: int(kv[0])):
+        ref = reference.get(prompt)
+        if ref is None:
+            continue
+        compared += 1
+        pos = first_difference(ref["tokens"], tokens)
+        if pos is None:
+            continue
+        d = {"prompt": int(prompt), "position": pos,
+             "reference_token": ref["tokens"][pos] if pos < len(ref["tokens"]) else None,
+             "token": tokens[pos] if pos < len(tokens) else None}
+        top2 = ref["top2"][pos] if pos < len(ref["top2"]) else None
+        if top2 is None or len(top2) < 2 or d["token"] is None or d["reference_token"] is None:
+            d.update(margin=None, threshold=None, near_tie=False,
+                     why="no top-2 logits at that position (one output ended first)")
+        else:
+            (t1, z1), (t2, z2) = top2[0], top2[1]
+            margin = z1 - z2
+            threshold = near_tie_threshold(z1, dtype, ulps)
+            second = d["token"] == t2
+            d.update(margin=round(margin, 6), threshold=threshold, near_tie=second and margin <= threshold)
+            if not d["near_tie"]:
+                d["why"] = ("margin above the threshold" if second
+                            else "the token taken is not the target's second choice")
+        details.append(d)
+    near = sum(d["near_tie"] for d in details)
+    return {"compared": compared, "identical": compared - len(details), "differing": len(details),
+            "near_ties": near, "not_near_ties": len(details) - near,
+            "identical_fraction": round((compared - len(details)) / compared, 4) if compared else None,
+            "differences": details}
+
+
+# ---- parity samples
+
+def parity_samples(prompts: list[list[int]], finished: list[dict]) -> list[dict]:
+    """The sequences vLLM produced as tokenized samples for extraction: prompt + continuation, the
+    loss mask on the continuation (the positions whose drafts vLLM counted)."""
+    out = []
+    for f in finished:
+        prompt = prompts[f["prompt"]]
+        out.append({"id": f["id"], "input_ids": prompt + list(f["tokens"]),
+                    "loss_mask": [0] * len(prompt) + [1] * len(f["tokens"])})
+    return out

@@ -1,0 +1,130 @@
+"""Faults injected into whole `snakemake` runs of a tiny config: every rerun ends with what an
+uninterrupted run with the current config produces, or with one sentence saying what is wrong."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import tiny
+from eaglepipe.dir_lock import dir_lock
+from test_workflow import tiny_config
+from workflow import (REPO, copy_workflow, differences, kill_stage, snakemake, start_snakemake, wait_for_line,
+                      write_config)
+
+
+def config(target: Path, chats: Path, **train) -> dict:
+    cfg = tiny_config(target, chats)
+    # long enough to be killed between checkpoints
+    cfg["train"].update(max_steps=24, eval_every=4, checkpoint_every=4, **train)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A finished run with train.lr 0.001."""
+    ws = copy_workflow(tmp_path_factory.mktemp("faults"))
+    target = tiny.make_llama(ws / "target")
+    chats = tiny.make_chats(ws / "chats.jsonl", n=24)
+    write_config(ws, config(target, chats))
+    snakemake(ws)
+    return ws, target, chats
+
+
+def clone(ws: Path, dest: Path) -> Path:
+    shutil.copytree(ws, dest, symlinks=True)
+    return dest
+
+
+def test_killed_training_after_a_setting_change_reruns_to_the_uninterrupted_result(finished, tmp_path):
+    ws, target, chats = finished
+    changed = config(target, chats, lr=0.002)
+    reference = clone(ws, tmp_path / "reference")
+    write_config(reference, changed)
+    shutil.rmtree(reference / "results/tiny/draft")  # a new draft goes to an empty place (README)
+    snakemake(reference)
+
+    faulted = clone(ws, tmp_path / "faulted")
+    write_config(faulted, changed)
+    log = faulted / "results/tiny/logs/train_draft.log"
+    log.unlink()
+    proc = start_snakemake(faulted)
+    wait_for_line(log, "train_draft: checkpoint ", proc)  # after the first checkpoint of the new settings
+    kill_stage(proc, "train_draft")
+    assert proc.wait() != 0
+    # the rerun resumes training, then the export stops at the old draft with its sentence
+    rerun = snakemake(faulted, check=False)
+    assert "Nothing to be done" not in rerun.stdout + rerun.stderr
+    assert "resuming from results/tiny/train/checkpoints/step-0000004" in log.read_text()
+    export_log = (faulted / "results/tiny/logs/export_draft.log").read_text()
+    assert rerun.returncode != 0 and "a delivered draft is never overwritten, delete it on purpose" in export_log
+    shutil.rmtree(faulted / "results/tiny/draft")
+    snakemake(faulted)
+    assert differences(faulted / "results/tiny", reference / "results/tiny") == []
+
+
+HOLD = "import sys, time; from eaglepipe.dir_lock import dir_lock\nwith dir_lock(sys.argv[1]):\n    print('held', flush=True); time.sleep(600)"
+
+
+def test_two_jobs_never_write_one_directory(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(REPO / "scripts"))
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(SystemExit, match=f"{tmp_path} is being written by another job \\(process {holder.pid} "):
+            with dir_lock(tmp_path):
+                pass
+    finally:
+        holder.kill()  # kill -9: the lock file stays, naming a process that has ended
+        holder.wait()
+
+
+def test_the_lock_of_a_dead_process_is_taken_over_with_a_log_line(tmp_path, caplog):
+    env = dict(os.environ, PYTHONPATH=str(REPO / "scripts"))
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path)], stdout=subprocess.PIPE, text=True, env=env)
+    assert holder.stdout.readline().strip() == "held"
+    holder.kill()
+    holder.wait()
+    with caplog.at_level(logging.WARNING), dir_lock(tmp_path):
+        pass
+    assert f"taking over the lock of process {holder.pid}" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING), dir_lock(tmp_path):  # released cleanly last time
+        pass
+    assert "taking over" not in caplog.text
+
+
+def test_a_second_training_job_on_a_running_ones_directory_stops(tmp_path):
+    """The stage CLIs take the lock: the second job stops before touching the checkpoints."""
+    from eaglepipe import train_draft
+
+    env = dict(os.environ, PYTHONPATH=str(REPO / "scripts"))
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(SystemExit, match="is being written by another job"):
+            train_draft.main(["--manifest", "m", "--vocab", "v", "--model", "x", "--out-dir", str(tmp_path)])
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_model_directory_without_config_json_is_one_sentence(tmp_path, tiny_llama):
+    from eaglepipe import extract_hidden_states, prepare_data, train_draft
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama, model)
+    (model / "config.json").unlink()
+    sentence = f"--model {model}: the model directory has no config.json"
+    for main, argv in ((prepare_data.main, ["--data", "d", "--out-dir", str(tmp_path / "data")]),
+                       (extract_hidden_states.main, ["--train", "t", "--eval", "e", "--shard-dir", str(tmp_path / "s"),
+                                                     "--out", str(tmp_path / "p.json")]),
+                       (train_draft.main, ["--manifest", "m", "--vocab", "v", "--out-dir", str(tmp_path / "t")])):
+        with pytest.raises(SystemExit, match=sentence):
+            main(["--model", str(model), *argv])

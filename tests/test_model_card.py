@@ -1,0 +1,93 @@
+"""model_card: the draft's README.md from what the run measured, with a serve command that works."""
+
+import json
+import shlex
+
+import pytest
+
+from eaglepipe import model_card as mc
+
+
+@pytest.fixture
+def run(tmp_path):
+    """The files the card reads, as export_draft, train_draft, prepare_data and evaluate write them."""
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    config = {"speculators_config": {"verifier": {"name_or_path": "moonshotai/Kimi-K2.5"},
+                                     "proposal_methods": [{"speculative_tokens": 3}]},
+              "transformer_layer_config": {"num_hidden_layers": 1, "model_type": "llama", "hidden_size": 7168,
+                                           "vocab_size": 163840},
+              "draft_vocab_size": 32000, "norm_before_residual": True, "norm_before_fc": True, "fc_norm": False,
+              "norm_output": True}
+    files = {
+        "draft/config.json": config,
+        "train/summary.json": {"best": "checkpoints/step-0040000", "last": "checkpoints/step-0040000",
+                               "steps": 40000, "best_eval": {"acceptance_length": 2.9}, "layer_ids": [2, 30, 58, 61],
+                               "aux_layer_ids": [2, 30, 58], "target_model": "moonshotai/Kimi-K2.5",
+                               "ttt_steps": 3, "train_tokens": 123456},
+        "data/stats.json": {"read": 40, "kept": 38, "skipped": {"no_assistant": 2}},
+        "eval/offline.json": {"acceptance_length": 2.85, "k": 3, "tokens_evaluated": 999,
+                              "per_position_acceptance": [0.7, 0.5, 0.3]},
+        "eval/serving.json": {"recommended": {"by_concurrency": {"1": 4, "4": 3, "16": 2}, "k": 4,
+                                              "serve_command": "vllm serve ..."}},
+    }
+    for name, obj in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(json.dumps(obj))
+    return tmp_path
+
+
+def write_card(run, *extra):
+    out = run / "draft" / "README.md"
+    mc.main(["--draft-config", str(run / "draft/config.json"), "--summary", str(run / "train/summary.json"),
+             "--which", "best", "--data-stats", str(run / "data/stats.json"),
+             "--offline", str(run / "eval/offline.json"), "--out", str(out), *extra])
+    return out.read_text()
+
+
+def serve_line(card):
+    return next(line for line in card.splitlines() if line.startswith("vllm serve"))
+
+
+def test_tp8_trust_remote_code_run_is_served_as_it_ran(run):
+    card = write_card(run, "--tensor-parallel-size", "8", "--trust-remote-code")
+    words = shlex.split(serve_line(card))
+    assert words[:3] == ["vllm", "serve", "moonshotai/Kimi-K2.5"]
+    assert words[words.index("--tensor-parallel-size") + 1] == "8" and "--trust-remote-code" in words
+    spec = json.loads(words[words.index("--speculative-config") + 1])
+    assert spec == {"model": str((run / "draft").resolve()), "method": "eagle3", "num_speculative_tokens": 3}
+    assert "2.85" in card and "[2, 30, 58]" in card and "38 kept" in card and "step-0040000" in card
+
+
+def test_single_gpu_run_has_no_extra_flags(run):
+    line = serve_line(write_card(run))
+    assert "--tensor-parallel-size" not in line and "--trust-remote-code" not in line
+
+
+def test_serving_benchmarks_k_is_the_one_recommended(run):
+    card = write_card(run, "--serving", str(run / "eval/serving.json"))
+    words = shlex.split(serve_line(card))
+    assert json.loads(words[words.index("--speculative-config") + 1])["num_speculative_tokens"] == 4
+    assert "best K by concurrency: 1: 4, 4: 3, 16: 2" in card
+
+
+def test_serving_without_a_recommendation_is_one_sentence(run):
+    (run / "eval/serving.json").write_text(json.dumps({"recommended": {"by_concurrency": {}}}))
+    with pytest.raises(SystemExit, match=r"^model_card: .*serving.json recommended: missing field 'k'$"):
+        write_card(run, "--serving", str(run / "eval/serving.json"))
+    assert not (run / "draft" / "README.md").exists()
+
+
+def test_card_says_what_the_loss_saw_of_thinking_and_answer(run):
+    stats = json.loads((run / "data/stats.json").read_text())
+    stats["assistant"] = {"tokens_in_data": 1000, "tokens_trained": 800, "tokens_trained_thinking": 500,
+                          "tokens_trained_answer": 300, "trained_share": 0.8}
+    (run / "data/stats.json").write_text(json.dumps(stats))
+    assert "assistant tokens trained: 800 of 1000 (80%; thinking 500, answer 300)" in write_card(run)
+
+
+def test_a_concurrency_where_no_k_helps_reads_as_the_target_alone(run):
+    (run / "eval/serving.json").write_text(json.dumps(
+        {"recommended": {"by_concurrency": {"1": 3, "64": None}, "k": 3}}))
+    assert "best K by concurrency: 1: 3, 64: the target alone" in write_card(run, "--serving",
+                                                                           str(run / "eval/serving.json"))

@@ -1,0 +1,280 @@
+"""The serving benchmark without vLLM: the request stream and timed windows on a fake engine, the
+sweep bookkeeping and recommendation, the near-tie explanation, the parity samples and serving.json."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import shlex
+from types import SimpleNamespace
+
+import pytest
+
+from eaglepipe import benchmark_serving as bs
+from eaglepipe.extract_hidden_states import read_samples
+from eaglepipe.serving_sweep import (acceptance, counter_delta, explain_divergences, first_difference, logit_ulp,
+                                     near_tie_threshold, recommend, spec_counters, sweep_rows)
+
+
+class FakeEngine:
+    """LLMEngine's add_request/step/abort_request: a request gets ``length`` + len(prompt) - 1 tokens
+    (so requests finish at different steps), ``per_step``
+    a step, and counts one draft per request and step (``accepted`` of them accepted at position 0)."""
+
+    def __init__(self, length: int = 4, per_step: int = 1):
+        self.length, self.per_step = length, per_step
+        self.requests: dict[str, dict] = {}
+        self.steps = 0
+        self.max_in_flight = 0
+        self.aborted: list[str] = []
+        self.counters = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0, "accepted_per_pos": [0, 0]}
+
+    def add_request(self, rid, prompt, params):
+        assert rid not in self.requests
+        ids = prompt["prompt_token_ids"]
+        n = self.length + len(ids) - 1
+        self.requests[rid] = {"left": n, "n": n, "base": ids[0] * 100}
+        self.max_in_flight = max(self.max_in_flight, len(self.requests))
+
+    def step(self):
+        assert self.requests, "step() with nothing in flight blocks in vLLM"
+        self.steps += 1
+        outs = []
+        for rid, r in list(self.requests.items()):
+            n = min(self.per_step, r["left"])
+            done = r["n"] - r["left"]
+            r["left"] -= n
+            self.counters["drafts"] += 1
+            self.counters["draft_tokens"] += 2
+            self.counters["accepted_tokens"] += 1
+            self.counters["accepted_per_pos"][0] += 1
+            outs.append(SimpleNamespace(request_id=rid, finished=r["left"] == 0, outputs=[SimpleNamespace(
+                token_ids=[r["base"] + done + i for i in range(n)], logprobs=None)]))
+            if r["left"] == 0:
+                del self.requests[rid]
+        return outs
+
+    def abort_request(self, ids):
+        self.aborted += ids
+        for rid in ids:
+            del self.requests[rid]
+
+    def clock(self) -> float:
+        return self.steps * 0.5
+
+    def snapshot(self) -> dict:
+        return json.loads(json.dumps(self.counters))
+
+
+PROMPTS = [[1, 2], [3], [5, 6, 7]]
+
+
+def stream(engine, c, **kw):
+    return bs.RequestStream(engine, PROMPTS, c, params=None, tag=f"c{c}", clock=engine.clock, **kw)
+
+
+def test_stream_keeps_concurrency_and_window_meets_minimums():
+    e = FakeEngine(length=4)
+    w = bs.run_point(stream(e, 3), min_seconds=3.0, min_output_tokens=10, snapshot=e.snapshot)
+    assert e.max_in_flight == 3
+    assert w["seconds"] >= 3.0 and w["output_tokens"] >= 10 and w["finished"]
+    # the window ended at a step where a request finished; what was still in flight was aborted
+    assert e.aborted and not e.requests and not set(e.aborted) & {f["id"] for f in w["finished"]}
+    # one token a step, steps 0.5 apart
+    assert w["tpot_s"] == [0.5] * len(w["finished"])
+    for f in w["finished"]:
+        base = PROMPTS[f["prompt"]][0] * 100
+        assert f["tokens"] == [base + i for i in range(4 + len(PROMPTS[f["prompt"]]) - 1)]
+    assert w["counters"]["drafts"] > 0 and w["counters"]["accepted_per_pos"] == [w["counters"]["drafts"], 0]
+
+
+def test_concurrency_one_window_holds_whole_requests():
+    """At concurrency 1 the counters of the window count exactly the requests it finished."""
+    e = FakeEngine(length=5)
+    w = bs.run_point(stream(e, 1), min_seconds=0.1, min_output_tokens=1, min_requests=4, snapshot=e.snapshot)
+    assert len(w["finished"]) == 4
+    lengths = [5 + len(PROMPTS[p]) - 1 for p in (1, 2, 0, 1)]
+    assert w["counters"]["drafts"] == sum(lengths) and w["output_tokens"] == sum(lengths)
+    assert e.aborted == []
+    # the prompts cycle and the request ids are unique
+    assert [f["prompt"] for f in w["finished"]] == [1, 2, 0, 1]
+    assert len({f["id"] for f in w["finished"]}) == 4
+
+
+def test_run_all_finishes_every_request_once():
+    e = FakeEngine(length=3, per_step=2)
+    done = stream(e, len(PROMPTS), limit=len(PROMPTS)).run_all()
+    assert sorted(f["prompt"] for f in done) == [0, 1, 2]
+    assert all(len(f["tokens"]) == 3 + len(PROMPTS[f["prompt"]]) - 1 for f in done)
+
+
+def test_top_two_orders_by_value():
+    lp = {7: SimpleNamespace(logprob=19.5), 3: SimpleNamespace(logprob=20.0), 9: SimpleNamespace(logprob=1.0)}
+    assert bs.top_two(lp) == [[3, 20.0], [7, 19.5]]
+
+
+def test_spec_counters_sum_engines_and_delta():
+    m = [SimpleNamespace(name="vllm:spec_decode_num_drafts", value=10),
+         SimpleNamespace(name="vllm:spec_decode_num_drafts", value=5),
+         SimpleNamespace(name="vllm:spec_decode_num_draft_tokens", value=45),
+         SimpleNamespace(name="vllm:spec_decode_num_accepted_tokens", value=20),
+         SimpleNamespace(name="vllm:spec_decode_num_accepted_tokens_per_pos", values=[9, 7, 4]),
+         SimpleNamespace(name="vllm:generation_tokens", value=999)]
+    after = spec_counters(m)
+    assert after == {"drafts": 15, "draft_tokens": 45, "accepted_tokens": 20, "accepted_per_pos": [9, 7, 4]}
+    before = {"drafts": 5, "draft_tokens": 15, "accepted_tokens": 5, "accepted_per_pos": [3, 2]}
+    d = counter_delta(before, after)
+    assert d == {"drafts": 10, "draft_tokens": 30, "accepted_tokens": 15, "accepted_per_pos": [6, 5, 4]}
+    a = acceptance(d)
+    assert a["acceptance_length"] == 2.5 and a["per_position_acceptance"] == [0.6, 0.5, 0.4]
+    assert a["draft_acceptance_rate"] == 0.5
+
+
+def window(tok_per_s: float, seconds: float = 10.0, tpot: float = 0.01, counters=None, finished=()):
+    return {"seconds": seconds, "output_tokens": int(tok_per_s * seconds), "tpot_s": [tpot, tpot],
+            "finished": list(finished), "counters": counters}
+
+
+def counters(drafts, per_pos):
+    return {"drafts": drafts, "draft_tokens": drafts * len(per_pos), "accepted_tokens": sum(per_pos),
+            "accepted_per_pos": per_pos}
+
+
+def synthetic_engines():
+    """Baseline 100/400 tok/s at c=1/4; K=1 best at c=4, K=3 best at c=1; K=2 ties K=3 nowhere."""
+    f = [{"id": "c1-0", "prompt": 0, "tokens": [5, 6, 7]}, {"id": "c1-1", "prompt": 1, "tokens": [4, 4]}]
+    base = {"k": None, "time": {"load_s": 30.0, "warmup_s": 2.0, "timed_s": 20.0, "total_s": 52.0},
+            "points": {"1": window(100, finished=f), "4": window(400, finished=f)},
+            "reference": {"0": {"tokens": [5, 6, 7], "top2": [[[5, 20.0], [9, 19.0]], [[6, 20.0], [8, 19.9375]],
+                                                                [[7, 3.0], [1, 2.0]]]},
+                          "1": {"tokens": [4, 4], "top2": [[[4, 9.0], [2, 1.0]], [[4, 9.0], [2, 1.0]]]}}}
+
+    def spec(k, c1, c4, tokens0):
+        fs = [{"id": "c1-0", "prompt": 0, "tokens": tokens0}, {"id": "c1-1", "prompt": 1, "tokens": [4, 4]}]
+        return {"k": k, "time": {"load_s": 40.0, "warmup_s": 2.0, "timed_s": 20.0, "total_s": 62.0},
+                "points": {"1": window(c1, tpot=0.005, counters=counters(100, [60] + [30] * (k - 1)), finished=fs),
+                           "4": window(c4, counters=counters(100, [50] * k), finished=fs)}}
+
+    return base, {1: spec(1, 120, 440, [5, 6, 7]), 2: spec(2, 150, 380, [5, 8, 1]),
+                  3: spec(3, 150, 300, [5, 6, 1])}
+
+
+def test_sweep_rows_and_recommendation():
+    base, spec = synthetic_engines()
+    rows = sweep_rows(base, spec)
+    by = {(r["k"], r["concurrency"]): r for r in rows}
+    assert by[(None, 1)]["output_tokens_per_s"] == 100.0 and "speedup" not in by[(None, 1)]
+    assert by[(2, 1)]["speedup"] == 1.5 and by[(3, 4)]["speedup"] == 0.75
+    assert by[(2, 1)]["tpot_ratio"] == 0.5 and by[(2, 1)]["mean_tpot_ms"] == 5.0
+    assert by[(3, 1)]["acceptance_length"] == 2.2 and by[(3, 1)]["per_position_acceptance"] == [0.6, 0.3, 0.3]
+    rec = recommend(rows, "org/target", "results/run/draft", 1)
+    # K=2 and K=3 tie at c=1 (1.5x): the smaller K wins
+    assert rec["by_concurrency"] == {"1": 2, "4": 1} and rec["k"] == 2
+    cmd = shlex.split(rec["serve_command"])
+    assert cmd[:3] == ["vllm", "serve", "org/target"] and "--tensor-parallel-size" not in cmd
+    assert json.loads(cmd[cmd.index("--speculative-config") + 1]) == {
+        "model": "results/run/draft", "method": "eagle3", "num_speculative_tokens": 2}
+    assert "--tensor-parallel-size 8" in recommend(rows, "m", "d", 8)["serve_command"]
+    # where no K beats the target alone there is no K to recommend
+    slow = [dict(r, speedup=0.9) if r["concurrency"] == 4 and r["k"] else r for r in rows]
+    assert recommend(slow, "m", "d", 1)["by_concurrency"] == {"1": 2, "4": None}
+
+
+def test_sweep_needs_the_baseline_at_every_concurrency():
+    base, spec = synthetic_engines()
+    del base["points"]["4"]
+    with pytest.raises(ValueError, match="K=1 measured concurrency 4, the baseline did not"):
+        sweep_rows(base, spec)
+
+
+def test_logit_ulp_and_threshold():
+    assert logit_ulp(20.0, "bfloat16") == 0.125  # [16, 32): 2^4 x 2^-7
+    assert logit_ulp(-3.0, "bfloat16") == 2 ** -6
+    assert logit_ulp(20.0, "float16") == 2 ** -6
+    assert near_tie_threshold(20.0, "bfloat16", 4) == 0.5
+
+
+def test_divergences_near_tie_and_flagged():
+    ref = {"0": {"tokens": [5, 6, 7],
+                 "top2": [[[5, 20.0], [9, 19.0]], [[6, 20.0], [8, 19.9375]], [[7, 3.0], [1, 2.0]]]},
+           "1": {"tokens": [4, 4], "top2": [[[4, 9.0], [2, 1.0]], [[4, 9.0], [2, 1.0]]]},
+           "2": {"tokens": [1, 2], "top2": [[[1, 20.0], [3, 19.875]], [[2, 5.0], [0, 4.0]]]}}
+    out = {"0": [5, 8, 1], "1": [4, 4], "2": [1, 9], "3": [0]}  # prompt 3 has no reference: not compared
+    d = explain_divergences(ref, out, "bfloat16", 4)
+    assert (d["compared"], d["identical"], d["differing"], d["near_ties"], d["not_near_ties"]) == (3, 1, 2, 1, 1)
+    first, second = d["differences"]
+    assert first == {"prompt": 0, "position": 1, "reference_token": 6, "token": 8, "margin": 0.0625,
+                     "threshold": 0.5, "near_tie": True}
+    assert second["prompt"] == 2 and second["position"] == 1 and not second["near_tie"]
+    assert second["why"] == "the token taken is not the target's second choice"
+    # the second choice, but far from a tie
+    d = explain_divergences(ref, {"0": [5, 6, 1]}, "bfloat16", 4)["differences"][0]
+    assert d["margin"] == 1.0 and d["threshold"] == 4 * 2 ** -6 and not d["near_tie"]
+    assert d["why"] == "margin above the threshold"
+
+
+def test_first_difference():
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert first_difference([1, 2], [1, 2, 3]) == 2
+
+
+def test_main_writes_serving_json_and_parity_samples(tmp_path, monkeypatch):
+    prompts = tmp_path / "eval.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"id": "a", "input_ids": [1, 2, 3], "loss_mask": [0, 0, 1]},
+        {"id": "b", "input_ids": [4, 5], "loss_mask": [0, 1]},
+        {"id": "c", "input_ids": [6], "loss_mask": [1]}]))  # empty prompt: skipped
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    (draft / "config.json").write_text("{}")
+    base, spec = synthetic_engines()
+    calls = []
+
+    def fake_run_isolated(settings, ps, k):
+        calls.append(k)
+        assert settings["draft"] == str(draft.resolve()) and ps == [[1, 2], [4]]
+        return base if k is None else spec[k]
+
+    monkeypatch.setattr(bs, "run_isolated", fake_run_isolated)
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.26.0")
+    out, samples = tmp_path / "eval" / "serving.json", tmp_path / "eval" / "parity" / "eval.jsonl"
+    bs.main(["--model", "m", "--serve-model", "org/m", "--draft", str(draft), "--prompts", str(prompts),
+             "--concurrency", "4,1", "--k", "3,1,2", "--parity-k", "3", "--out", str(out),
+             "--parity-samples", str(samples)])
+    assert calls == [None, 1, 2, 3]  # one engine each, the baseline once
+    res = json.loads(out.read_text())
+    assert res["recommended"] == {"by_concurrency": {"1": 2, "4": 1}, "k": 2,
+                                  "serve_command": res["recommended"]["serve_command"]}
+    assert "org/m" in res["recommended"]["serve_command"]
+    assert res["concurrency"] == [1, 4] and res["k"] == [1, 2, 3] and res["skipped_prompts"] == {"empty prompt": 1}
+    assert len(res["points"]) == 2 + 3 * 2
+    assert [e["load_s"] for e in res["engines"]] == [30.0, 40.0, 40.0, 40.0]
+    div = res["divergences"]
+    assert div["points"]["k=2,c=1"]["near_ties"] == 1 and div["points"]["k=1,c=1"]["differing"] == 0
+    assert div["points"]["target,c=4"]["identical"] == 2
+    assert [(f["point"], f["prompt"], f["position"]) for f in div["flagged"]] == [("k=3,c=1", 0, 2), ("k=3,c=4", 0, 2)]
+    row = next(r for r in res["points"] if r["k"] == 3 and r["concurrency"] == 1)
+    assert row["identical_outputs_fraction"] == 0.5 and row["not_near_ties"] == 1
+    assert res["parity_run"] == {"k": 3, "concurrency": 1, "requests": 2, "counters": counters(100, [60, 30, 30])}
+    # the samples are what the extraction CLI reads: prompt + continuation, the mask on the continuation
+    got = read_samples(str(samples))
+    assert [(s.id, s.input_ids, s.loss_mask) for s in got] == [
+        ("c1-0", [1, 2, 5, 6, 1], [0, 0, 1, 1, 1]), ("c1-1", [4, 4, 4], [0, 1, 1])]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--parity-k", "4"], "--parity-k 4 is not among --k"),
+    (["--concurrency", "4,16"], "lacks 1"),
+    (["--k", "0,1"], "distinct integers >= 1"),
+])
+def test_cli_rejects_bad_settings(tmp_path, capsys, args, message):
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    (draft / "config.json").write_text("{}")
+    base = {"--model": "m", "--draft": str(draft), "--prompts": "p", "--k": "1,2,3", "--parity-k": "3",
+            "--out": "o", "--parity-samples": "s"}
+    base.update(dict(zip(args[::2], args[1::2])))
+    with pytest.raises(SystemExit):
+        bs.parse_args([x for kv in base.items() for x in kv])
+    assert message in capsys.readouterr().err
