@@ -13,6 +13,7 @@
 #       `snakemake --cores all` on config/presets/smollm2-h200.yaml DETACHED (a call's 10-minute
 #       limit must not cut it), logging to results/gpu_pipeline.log. `start --no-setup` starts it
 #       in an environment set up otherwise (e.g. the wheels' requirements.txt installed --no-deps).
+#       Arguments after `start [--no-setup]` go to snakemake (e.g. --config 'benchmark_serving=...').
 #   bash benchmarks/gpu_pipeline.sh status [WAIT_S]   on the device: waits up to WAIT_S seconds
 #       (default 0) for the run to end, then prints its progress (last log lines, per-stage times)
 #       and copies the small results to $OUT. Calls back to back keep the machine held.
@@ -47,7 +48,9 @@ stage() {
 }
 
 start() {
-  if [ "${1:-}" != --no-setup ]; then
+  if [ "${1:-}" = --no-setup ]; then
+    shift
+  else
     [ -d "$STAGE/wheels" ] || cat "$STAGE"/bundle.tar.* | tar -xf - -C "$STAGE"
     bash setup.sh --gpu --no-venv --wheels "$STAGE/wheels"
   fi
@@ -58,8 +61,8 @@ start() {
   # --resources gpu=1: one GPU, so the GPU jobs run one at a time
   VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_WORKER_MULTIPROC_METHOD=spawn HF_HUB_OFFLINE=1 \
     VLLM_NO_USAGE_STATS=1 PYTHONUNBUFFERED=1 \
-    setsid nohup bash -c 'python3 -m snakemake --cores all --resources gpu=1 --configfile "$1"; echo "snakemake exit $?"' \
-    _ "$PRESET" > "$LOG" 2>&1 < /dev/null &
+    setsid nohup bash -c 'python3 -m snakemake --cores all --resources gpu=1 --configfile "$@"; echo "snakemake exit $?"' \
+    _ "$PRESET" "$@" > "$LOG" 2>&1 < /dev/null &
   echo $! > "$PIDFILE"
   echo "started snakemake (pid $!), log $LOG"
 }
@@ -81,10 +84,16 @@ status() {
     "results/$RUN"/logs/*.log 2>/dev/null | tail -n 20 || true
   if [ -n "${OUT:-}" ]; then
     tail -n 300 "$LOG" > "$OUT/gpu_pipeline.log"
-    for f in eval/serving.json eval/offline.json hidden_states/manifest.json train/summary.json; do
-      [ -f "results/$RUN/$f" ] && cp "results/$RUN/$f" "$OUT/$(basename "$(dirname "$f")")_$(basename "$f")"
+    for f in eval/serving.json eval/offline.json eval/parity.json; do
+      [ -f "results/$RUN/$f" ] && cp "results/$RUN/$f" "$OUT/$(basename "$f")"
     done
     tail -q -n 60 "results/$RUN"/logs/*.log > "$OUT/stage_logs_tail.txt" 2>/dev/null || true
+    # everything small in one file ($OUT brings back 8 files at most): logs, stats, manifest,
+    # curves, the draft's config and card, the report's plots, Snakemake's per-stage benchmarks
+    (cd results && tar -czf "$OUT/results_small.tgz" --ignore-failed-read gpu_pipeline.log \
+      benchmarks "$RUN"/logs "$RUN"/benchmarks "$RUN"/data/stats.json "$RUN"/hidden_states/manifest.json \
+      "$RUN"/hidden_states/parts "$RUN"/train/summary.json "$RUN"/train/metrics.jsonl "$RUN"/eval/*.json \
+      "$RUN"/draft/config.json "$RUN"/draft/README.md "$RUN"/report 2>/dev/null) || true
   fi
 }
 

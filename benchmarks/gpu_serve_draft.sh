@@ -15,7 +15,8 @@ set -euo pipefail
 [ $# -ge 3 ] || { sed -n '2,10p' "$0"; exit 2; }
 TARGET=$1 DRAFT=$2 PROMPTS=$3
 K_LIST=${4:-1,2,3,4,5}
-PARITY_K=${PARITY_K:-$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["speculators_config"]["proposal_methods"][0]["speculative_tokens"])' "$DRAFT/config.json")}
+# K of the export: speculators format (Llama-layer drafts) or the MLA draft's plain config (mla_draft.py)
+PARITY_K=${PARITY_K:-$(python3 -c 'import json,sys; c=json.load(open(sys.argv[1])); print(c["speculators_config"]["proposal_methods"][0]["speculative_tokens"] if "speculators_config" in c else c["eaglepipe"]["num_speculative_tokens"])' "$DRAFT/config.json")}
 NUM_PROMPTS=${5:-64}
 MAX_TOKENS=${6:-256}
 SITE=${SITE:-/tmp/site}

@@ -235,3 +235,41 @@ def final_outputs():
     if config["benchmark_serving"]["enabled"]:
         out += ["eval/serving.json", "eval/parity.json", "report/serving.svg"]
     return expand("results/{run}/{path}", run=config["run_name"], path=out)
+
+
+REGENERATED = "results/{run}/regenerated/chats.jsonl"
+
+
+def prepare_data_input():
+    """What prepare_data reads: the target's regenerated answers when regenerate.enabled."""
+    return REGENERATED if config["regenerate"]["enabled"] else data_input()
+
+
+def prepare_data_source(wildcards, input):
+    """prepare_data's data arguments; data.max_samples was applied to conversations by regeneration."""
+    if config["regenerate"]["enabled"]:
+        return f"--pretokenized --data {input.data}"
+    return f"--data {config['data']['path']} --max-samples {config['data']['max_samples'] or 0}"
+
+
+def regenerate_modes():
+    """regenerate.modes as the CLI takes them: data.chat_template_kwargs under each mode's own."""
+    base = config["data"]["chat_template_kwargs"]
+    modes = [
+        {**m, "chat_template_kwargs": {**base, **m["chat_template_kwargs"]}}
+        for m in config["regenerate"]["modes"]
+    ]
+    return json.dumps(modes, sort_keys=True)
+
+
+def regenerate_template_flag():
+    """The template override, which regeneration uses only for a tokenizer without a template."""
+    path = config["data"]["chat_template"]
+    return f"--chat-template {shlex.quote(path)}" if path else ""
+
+
+def regenerate_gpus():
+    rg = config["regenerate"]
+    if rg["backend"] == "vllm":
+        return config["extract"]["tensor_parallel_size"]
+    return 1 if rg["device"] == "cuda" else 0

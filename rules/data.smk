@@ -23,7 +23,7 @@ if config["target"]["build"]:
 
 rule prepare_data:
     input:
-        data=data_input(),
+        data=prepare_data_input(),
         model=target_input(),
         chat_template=chat_template_input(),
     output:
@@ -43,9 +43,8 @@ rule prepare_data:
         "../envs/eaglepipe.yaml"
     threads: 2
     params:
-        data=config["data"]["path"],
+        data=prepare_data_source,
         model=target_arg,
-        max_samples=config["data"]["max_samples"] or 0,
         max_length=config["data"]["max_length"],
         too_long=config["data"]["too_long"],
         eval_fraction=config["data"]["eval_fraction"],
@@ -58,8 +57,8 @@ rule prepare_data:
         code=code_digest("prepare_data"),
     shell:
         f"{STAGE}.prepare_data "
-        "--data {params.data} --model {params.model} {params.revision} "
-        "{params.trust} --out-dir {params.outdir} --max-samples {params.max_samples} "
+        "{params.data} --model {params.model} {params.revision} "
+        "{params.trust} --out-dir {params.outdir} "
         "--max-length {params.max_length} --too-long {params.too_long} "
         "--eval-fraction {params.eval_fraction} --seed {params.seed} {params.template} > {log} 2>&1"
 

@@ -31,6 +31,12 @@ rule train_draft:
         ckpt_every=config["train"]["checkpoint_every"],
         loss=config["train"]["loss"],
         seed=config["train"]["seed"],
+        draft=f"--draft-architecture {config['draft']['architecture']}"
+        + (
+            f" --draft-mlp-width {config['draft']['mlp_width']}"
+            if config["draft"]["mlp_width"]
+            else ""
+        ),
         launcher=(
             f"torchrun --standalone --nproc-per-node {config['train']['gpus']} -m"
             if config["train"]["gpus"] > 1
@@ -45,4 +51,4 @@ rule train_draft:
         "--lr {params.lr} --weight-decay {params.wd} --warmup-steps {params.warmup} "
         "--max-steps {params.steps} --batch-tokens {params.batch_tokens} "
         "--eval-every {params.eval_every} --checkpoint-every {params.ckpt_every} "
-        "--loss {params.loss} --seed {params.seed} > {log} 2>&1"
+        "--loss {params.loss} --seed {params.seed} {params.draft} > {log} 2>&1"

@@ -1,4 +1,4 @@
-"""The draft built for Llama and DeepseekV3 targets, and loading an exported draft without its embedding."""
+"""The Llama-layer draft built for Llama and DeepseekV3 targets, and loading an exported draft without its embedding."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ def mapping(path, vocab=400, every=4):
 @pytest.mark.parametrize("target", ["tiny_llama", "tiny_dsv3"])
 def test_build_draft_for_target(target, request, tmp_path):
     target_dir = request.getfixturevalue(target)
-    model = build_draft(target_dir, [1, 2, 3], mapping(tmp_path / "vm.safetensors"), ttt_steps=2)
+    model = build_draft(target_dir, [1, 2, 3], mapping(tmp_path / "vm.safetensors"), ttt_steps=2,
+                        architecture="llama")  # the MLA layer: test_mla_draft.py
     cfg = model.config
     layer = cfg.transformer_layer_config
     assert cfg.eagle_aux_hidden_state_layer_ids == [1, 2, 3] and cfg.draft_vocab_size == 100

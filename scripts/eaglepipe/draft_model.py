@@ -6,17 +6,24 @@ parse flags or validate inputs stay quick.
 
 from __future__ import annotations
 
+import json
+import logging
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file
 
+from . import mla_draft
 from .serving_limits import servable_rope
+
+log = logging.getLogger("eaglepipe.draft_model")
 
 # The one place the norm flags are chosen. vLLM 0.26.0 honours all four (algos.py update_eagle3 and
 # llama_eagle3.py, read from its wheel), so speculators 0.9.0's eagle3 defaults train what vLLM serves.
 NORM_FLAGS = {"norm_before_residual": True, "norm_before_fc": True, "fc_norm": False, "norm_output": True}
-NUM_DRAFT_LAYERS = 1
+NUM_DRAFT_LAYERS = mla_draft.NUM_DRAFT_LAYERS  # one layer, whichever architecture
+ARCHITECTURES = ("auto", "llama", "mla")
 
 
 def attn_impl_for(device: torch.device | str) -> str:
@@ -33,11 +40,25 @@ def row_length(device: torch.device | str, batch_tokens: int) -> int | None:
     return -(-batch_tokens // 128) * 128
 
 
-def _is_mla(cfg) -> bool:
-    return getattr(cfg, "kv_lora_rank", None) is not None or getattr(cfg, "qk_rope_head_dim", None) is not None
+def target_text_config(target: str | Path, trust_remote_code: bool = False):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(target), trust_remote_code=trust_remote_code).get_text_config()
 
 
-def draft_layer_config(target: str | Path, trust_remote_code: bool = False):
+def resolve_architecture(architecture: str, target_config) -> str:
+    """``auto`` -> ``mla`` for MLA targets (DeepseekV3 / Kimi), ``llama`` otherwise."""
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"draft architecture {architecture!r}: allowed {list(ARCHITECTURES)}")
+    if architecture == "auto":
+        return "mla" if mla_draft.is_mla_target(target_config) else "llama"
+    if architecture == "mla" and not mla_draft.is_mla_target(target_config):
+        raise ValueError("draft architecture 'mla' needs an MLA target (kv_lora_rank in its config); "
+                         "use 'llama' or 'auto'")
+    return architecture
+
+
+def draft_layer_config(target: str | Path, trust_remote_code: bool = False, mlp_width: int | None = None):
     """Llama decoder config for the 1-layer draft, full attention (no sliding window).
 
     Speculators derives it from the target. For MLA targets (DeepseekV3 / Kimi) its head_dim
@@ -47,22 +68,22 @@ def draft_layer_config(target: str | Path, trust_remote_code: bool = False):
     for Kimi, also SpecForge's choice).
     """
     from speculators.train.cli import create_transformer_layer_config
-    from transformers import AutoConfig
 
     cfg = create_transformer_layer_config(
         str(target), num_layers=NUM_DRAFT_LAYERS, draft_arch="llama", hidden_act=None,
         sliding_window=None, full_attention_indices=list(range(NUM_DRAFT_LAYERS)),
         trust_remote_code=trust_remote_code,
     )
-    tcfg = AutoConfig.from_pretrained(str(target), trust_remote_code=trust_remote_code)
-    tcfg = tcfg.get_text_config()
-    if _is_mla(tcfg):
+    tcfg = target_text_config(target, trust_remote_code)
+    if mla_draft.is_mla_target(tcfg):
         if tcfg.hidden_size % tcfg.num_attention_heads:
             raise ValueError(f"target {target}: hidden_size {tcfg.hidden_size} is not divisible by "
                              f"num_attention_heads {tcfg.num_attention_heads}; give the draft shape explicitly")
         cfg.head_dim = tcfg.hidden_size // tcfg.num_attention_heads
         cfg.num_key_value_heads = tcfg.num_attention_heads
         cfg.intermediate_size = tcfg.intermediate_size
+    if mlp_width:
+        cfg.intermediate_size = mlp_width
     # Kimi's DeepSeek-style yarn (mscale, mscale_all_dim) trains at attention factor 1.0 but vLLM's
     # Llama yarn serves 1.42: the draft takes plain yarn, which both compute alike (serving_limits.py).
     cfg.rope_parameters = servable_rope(cfg.rope_parameters)
@@ -90,23 +111,42 @@ def load_vocab_mapping(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def build_draft(target: str | Path, aux_layer_ids: list[int], vocab_mapping: str | Path, ttt_steps: int,
-                device: torch.device | str = "cpu", trust_remote_code: bool = False):
+                device: torch.device | str = "cpu", trust_remote_code: bool = False, architecture: str = "auto",
+                mlp_width: int | None = None):
     """A fresh draft for ``target``: aux ids from the manifest, draft vocab from the mapping.
 
+    ``architecture`` (auto/llama/mla, see resolve_architecture) picks the decoder layer;
+    ``mlp_width`` its dense MLP width (None: the target's intermediate_size).
     Embeddings, the draft lm_head (target lm_head rows of t2d) and the verifier's final norm are
     loaded from the target's safetensors by speculators (frozen); fc and the decoder layer train.
     """
-    from speculators.models.eagle3 import Eagle3DraftModel
-
     d2t, t2d = load_vocab_mapping(vocab_mapping)
-    layer_cfg = draft_layer_config(target, trust_remote_code)
+    tcfg = target_text_config(target, trust_remote_code)
+    try:
+        resolved = resolve_architecture(architecture, tcfg)
+        if resolved == "mla":
+            layer_cfg, norm_flags = mla_draft.layer_config(tcfg, mlp_width), mla_draft.NORM_FLAGS
+        else:
+            layer_cfg, norm_flags = draft_layer_config(target, trust_remote_code, mlp_width), NORM_FLAGS
+    except ValueError as e:
+        raise SystemExit(f"target {target}: {e}") from e
+    log.info("draft architecture %s (%s requested): %s decoder layer, MLP width %d", resolved, architecture,
+             layer_cfg.model_type, layer_cfg.intermediate_size)
     if t2d.numel() != layer_cfg.vocab_size:
         raise SystemExit(f"vocab mapping {vocab_mapping}: t2d covers {t2d.numel()} tokens but target "
                          f"{target} has vocab_size {layer_cfg.vocab_size}")
+    return _new_draft(layer_cfg, norm_flags, target, aux_layer_ids, d2t, t2d, ttt_steps, device, trust_remote_code)
+
+
+def _new_draft(layer_cfg, norm_flags: dict, target, aux_layer_ids, d2t, t2d, ttt_steps: int, device,
+               trust_remote_code: bool):
+    from speculators.models.eagle3 import Eagle3DraftModel
+
+    mla_draft.register_with_speculators()
     model = Eagle3DraftModel.from_training_args(
         layer_cfg, t2d=t2d, d2t=d2t, verifier_name_or_path=str(target), target_layer_ids=list(aux_layer_ids),
         draft_vocab_size=int(d2t.numel()), ttt_steps=ttt_steps, draft_attn_impl=attn_impl_for(device),
-        trust_remote_code=trust_remote_code, **NORM_FLAGS,
+        trust_remote_code=trust_remote_code, **norm_flags,
     )
     return model.to(device)
 
@@ -124,6 +164,10 @@ def load_draft(draft_dir: str | Path, target: str | Path, device: torch.device |
     for name in ("config.json", "model.safetensors"):
         if not (draft_dir / name).is_file():
             raise SystemExit(f"draft {draft_dir}: {name} is missing")
+    mla_draft.register_with_speculators()
+    served = json.loads((draft_dir / "config.json").read_text())
+    if mla_draft.is_served_config(served):
+        return _load_served_mla(draft_dir, served, target, device)
     config = Eagle3SpeculatorConfig.from_pretrained(str(draft_dir))
     config.speculators_config.verifier.name_or_path = str(target)
     config.transformer_layer_config._attn_implementation = attn_impl_for(device)  # noqa: SLF001
@@ -139,6 +183,25 @@ def load_draft(draft_dir: str | Path, target: str | Path, device: torch.device |
         with torch.no_grad():
             model.embed_tokens.weight.copy_(embed)
     return model.to(device).eval()
+
+
+def _load_served_mla(draft_dir: Path, served: dict, target: str | Path, device) -> torch.nn.Module:
+    """An exported MLA draft (vLLM's format, not speculators'): rebuilt as speculators' model for
+    ``target`` (embedding, heads and norm from the target), then the exported tensors loaded."""
+    weights = {k: v.float() if v.is_floating_point() else v
+               for k, v in load_file(str(draft_dir / "model.safetensors")).items()}
+    if "d2t" not in weights or "t2d" not in weights:
+        raise SystemExit(f"draft {draft_dir}: model.safetensors lacks d2t/t2d")
+    flags = {k: served[k] for k in mla_draft.NORM_FLAGS}
+    model = _new_draft(mla_draft.served_layer_config(served), flags, target,
+                       served["eagle_aux_hidden_state_layer_ids"], weights["d2t"], weights["t2d"].bool(),
+                       served[mla_draft.EXPORT_KEY]["num_speculative_tokens"], device, trust_remote_code=False)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    from_target = {"embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight"}
+    if unexpected or set(missing) - from_target:
+        raise SystemExit(f"draft {draft_dir}: tensors missing {sorted(set(missing) - from_target)}, "
+                         f"unexpected {sorted(unexpected)}")
+    return model.float().eval()
 
 
 def load_target_head(target: str | Path) -> torch.Tensor:

@@ -25,6 +25,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from . import mla_draft
 from .atomic import atomic_dir, read_json_object
 from .serving_limits import DRAFT_ARCHS, NORM_FLAGS, aux_count_error, rope_error
 
@@ -184,7 +185,8 @@ def export_draft(summary_path: str, which: str, verifier_name: str, k: int, drop
         config = json.loads((ckpt / "config.json").read_text())
     except json.JSONDecodeError as e:
         raise ExportError(f"{where}: config.json is not valid JSON ({e})") from e
-    check_serving_flags(config, where)
+    mla = mla_draft.is_mla_checkpoint(config)  # MLA drafts: see the "MLA drafts" section below
+    (prepare_mla if mla else check_serving_flags)(config, where)
     try:
         tensors = load_file(str(ckpt / "model.safetensors"))
     except Exception as e:  # safetensors raises several error types for damaged files
@@ -192,6 +194,7 @@ def export_draft(summary_path: str, which: str, verifier_name: str, k: int, drop
     shapes, optional = expected_shapes(config)
     check_tensors(tensors, shapes, optional, where)
     out_cfg = export_config(config, summary, verifier_name, k, where)
+    written_cfg = mla_draft.served_config(out_cfg) if mla else out_cfg
 
     saved = 0
     if drop_embedding and EMBED in tensors:
@@ -206,10 +209,10 @@ def export_draft(summary_path: str, which: str, verifier_name: str, k: int, drop
         raise ExportError(f"--out-dir {out} already holds {sorted(p.name for p in out.iterdir())}; "
                           f"a delivered draft is never overwritten, delete it on purpose")
     with atomic_dir(out) as tmp:  # an empty out-dir (Snakemake may create it) is replaced
-        (tmp / "config.json").write_text(json.dumps(out_cfg, indent=2, sort_keys=True) + "\n")
+        (tmp / "config.json").write_text(json.dumps(written_cfg, indent=2, sort_keys=True) + "\n")
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         validate_export(tmp)
-        roundtrip_check(tmp, summary["target_model"], tensors, out)
+        (mla_roundtrip_check if mla else roundtrip_check)(tmp, summary["target_model"], tensors, out)
     return {"checkpoint": str(ckpt), "out_dir": str(out), "embedding_bytes_saved": saved,
             "bytes": (out / "model.safetensors").stat().st_size}
 
@@ -221,6 +224,9 @@ def validate_export(draft_dir: str | os.PathLike) -> dict:
         if not (d / name).is_file():
             raise ExportError(f"export {d}: {name} is missing")
     config = json.loads((d / "config.json").read_text())
+    if mla_draft.is_served_config(config):
+        validate_mla_export(d, config)
+        return config
     required = ("speculators_model_type", "draft_vocab_size", "eagle_aux_hidden_state_layer_ids",
                 "transformer_layer_config", "speculators_config", *NORM_FLAGS)
     missing = [k for k in required if k not in config]
@@ -240,6 +246,51 @@ def validate_export(draft_dir: str | os.PathLike) -> dict:
     if lacking or extra:
         raise ExportError(f"export {d / 'model.safetensors'}: missing tensor(s) {lacking}, unexpected {extra}")
     return config
+
+
+# ----------------------------------------------------------------------------- MLA drafts
+# An MLA draft (mla_draft.py) trains as a speculators checkpoint like any other, but vLLM 0.26.0
+# serves it as Eagle3DeepseekV3ForCausalLM from a plain DeepseekV3 config (mla_draft.served_config).
+def check_mla_servable(config: dict, layer: dict, where: str) -> None:
+    try:
+        mla_draft.check_servable(config, layer, where)
+    except ValueError as e:
+        raise ExportError(str(e)) from e
+
+
+def prepare_mla(config: dict, where: str) -> None:
+    """Refuse what vLLM would serve differently; let speculators build the layer (expected_shapes)."""
+    check_mla_servable(config, config["transformer_layer_config"], where)
+    mla_draft.register_with_speculators()
+
+
+def validate_mla_export(d: Path, config: dict) -> None:
+    """Names and shapes against what vLLM's Eagle3DeepseekV2ForCausalLM builds for this config."""
+    where = f"export {d / 'config.json'}"
+    missing = [k for k in ("architectures", "draft_vocab_size", "eagle_aux_hidden_state_layer_ids", "kv_lora_rank",
+                           "num_aux_hidden_states", *NORM_FLAGS) if k not in config]
+    if missing:
+        raise ExportError(f"{where}: missing key(s) {missing}")
+    if "speculators_config" in config:
+        raise ExportError(f"{where}: has speculators_config, so vLLM would read it as the speculators format, "
+                          f"which has no MLA layer")
+    check_mla_servable(config, config, where)  # the layer fields are top-level here
+    tensors = load_file(str(d / "model.safetensors"))
+    check_tensors(tensors, mla_draft.served_shapes(config), {EMBED}, f"export {d / 'model.safetensors'} "
+                  f"(as vLLM's {mla_draft.SERVED_ARCHITECTURE} loads it)")
+
+
+def mla_roundtrip_check(out_dir: Path, target: str, written: dict[str, torch.Tensor], name: Path) -> None:
+    """Load the MLA export as evaluation does (draft_model.load_draft) and compare the tensors."""
+    from .draft_model import load_draft
+
+    try:
+        state = load_draft(out_dir, target).state_dict()
+    except SystemExit as e:  # load_draft's errors are its CLI messages
+        raise ExportError(f"export {name}: cannot be loaded against the target {target}: {e}") from e
+    for key, t in written.items():
+        if not torch.equal(state[key].to(t.dtype), t):
+            raise ExportError(f"export {name}: tensor {key!r} reads back different from what was written")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -19,6 +19,7 @@ import json
 import shlex
 from pathlib import Path
 
+from . import mla_draft
 from .atomic import atomic_path, read_json_object
 from .layers import CONVENTION
 from .serving_limits import NORM_FLAGS
@@ -74,7 +75,9 @@ def card(config: dict, summary: dict, which: str, data_stats: dict, offline: dic
     lines = [
         f"# EAGLE-3 draft for `{verifier}`",
         "",
-        "Trained with eaglepipe (speculators EAGLE-3 model and losses); speculators format, served natively by vLLM.",
+        "Trained with eaglepipe (speculators EAGLE-3 model and losses); "
+        + (f"served by vLLM as `{config['served_as']}`." if "served_as" in config
+           else "speculators format, served natively by vLLM."),
         "",
         "## Serve",
         "```",
@@ -128,6 +131,8 @@ def main(argv: list[str] | None = None) -> None:
         where["serving"] = args.serving
     try:
         inputs = {name: read_json_object(Path(path), name, CardError) for name, path in where.items()}
+        if mla_draft.is_served_config(inputs["config"]):  # an MLA draft: vLLM's plain config, not speculators'
+            inputs["config"] = mla_draft.card_view(inputs["config"])
         stats = read_json_object(Path(args.data_stats), "data stats", CardError)
         text = card(inputs["config"], inputs["summary"], args.which, stats, inputs["offline"],
                     inputs.get("serving"), Path(args.draft_config).parent, args.tensor_parallel_size,

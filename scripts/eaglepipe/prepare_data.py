@@ -24,6 +24,7 @@ from tqdm import tqdm
 from eaglepipe.atomic import atomic_path, write_json
 from eaglepipe.chat_data import FORMS, Skip, iter_chats
 from eaglepipe.chat_template import RERENDERED, ChatTemplate, TemplateSkip, encode_chat, turn_text
+from eaglepipe.tokenized_samples import Tokenized, as_encoded, iter_tokenized
 from eaglepipe.model_dir import check_model_dir
 
 EXAMPLES_PER_REASON = 5
@@ -132,33 +133,42 @@ def prepare(args) -> dict:
     with atomic_path(out / "train.jsonl") as train_tmp, atomic_path(out / "eval.jsonl") as eval_tmp, \
             open(train_tmp, "w") as train_f, open(eval_tmp, "w") as eval_f:
         files = {"train": train_f, "eval": eval_f}
-        records = islice(iter_chats(args.data), args.max_samples or None)
+        records = islice((iter_tokenized if args.pretokenized else iter_chats)(args.data), args.max_samples or None)
         bar = tqdm(records, total=args.max_samples or None, desc="conversations", unit="conv", mininterval=2.0)
         for item in bar:
             read += 1
             if isinstance(item, Skip):
                 skip(*item)
                 continue
-            assistant.turns_in_data += sum(m["role"] == "assistant" for m in item.messages)
+            messages = () if isinstance(item, Tokenized) else item.messages  # a sample's turns are counted below
+            assistant.turns_in_data += sum(m["role"] == "assistant" for m in messages)
             if item.id in seen_ids:
-                skip(item.source, "duplicate_id", f"{item.source}: id {item.id!r} was already read", item.messages)
+                skip(item.source, "duplicate_id", f"{item.source}: id {item.id!r} was already read", messages)
                 continue
-            if not item.messages:
+            if isinstance(item, Tokenized):
+                # regenerate_responses' token-exact samples, validated by tokenized_samples: taken as
+                # they are, never re-tokenized; split by their conversation, so its samples stay together
+                seen_ids.add(item.id)
+                enc, conversation = as_encoded(item), item.conversation
+                assistant.turns_in_data += enc.turns
+            elif not item.messages:
                 skip(item.source, "empty_conversation", f"{item.source}: the conversation has no turns")
                 continue
-            if not any(m["role"] == "assistant" for m in item.messages):
+            elif not any(m["role"] == "assistant" for m in item.messages):
                 skip(item.source, "no_assistant_turn", f"{item.source}: the conversation has no assistant turn")
                 continue
-            seen_ids.add(item.id)
-            try:
-                enc = encode_chat(template, item.messages, item.tools, args.rerendered_turns)
-            except TemplateSkip as e:
-                skip(item.source, e.reason, f"{item.source}: {e}", item.messages)
-                continue
+            else:
+                seen_ids.add(item.id)
+                try:
+                    enc = encode_chat(template, item.messages, item.tools, args.rerendered_turns)
+                except TemplateSkip as e:
+                    skip(item.source, e.reason, f"{item.source}: {e}", item.messages)
+                    continue
+                conversation = item.id
             prompt_mismatches += enc.prompt_mismatches
             assistant.turns_by_reason.update(enc.untrained_turns)
             assistant.tokens_by_reason.update(enc.untrained_tokens)
-            split = "eval" if in_eval(item.id, args.seed, args.eval_fraction) else "train"
+            split = "eval" if in_eval(conversation, args.seed, args.eval_fraction) else "train"
             written = 0
             for sample in enc.samples:
                 n = len(sample.input_ids)
@@ -257,6 +267,8 @@ def main(argv=None):
 
     p = argparse.ArgumentParser(prog="python -m eaglepipe.prepare_data", description=__doc__)
     p.add_argument("--data", required=True, help="chats: " + FORMS)
+    p.add_argument("--pretokenized", action="store_true",
+                   help="--data holds token-exact samples (regenerate_responses' output), not chats")
     p.add_argument("--model", required=True, help="target model directory or hub id (its tokenizer and config)")
     p.add_argument("--revision", default=None)
     p.add_argument("--trust-remote-code", action="store_true")

@@ -27,6 +27,7 @@ import torch
 from . import checkpoints
 from .atomic import atomic_path, sha256_file, write_json
 from .dir_lock import dir_lock
+from .draft_model import ARCHITECTURES
 from .model_dir import check_model_dir
 from .layers import validate_layer_ids
 from .packed_data import PackedRows
@@ -44,6 +45,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", required=True, help="target model directory (embeddings, final norm, lm_head)")
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--out-dir", required=True)
+    p.add_argument("--draft-architecture", default="auto", choices=ARCHITECTURES,
+                   help="decoder layer: mla for MLA targets under auto, else llama (draft_model.resolve_architecture)")
+    p.add_argument("--draft-mlp-width", type=int, default=None, help="dense MLP width (default: the target's)")
     p.add_argument("--ttt-steps", type=int, default=3)
     p.add_argument("--ttt-step-loss-decay", type=float, default=1.0)
     p.add_argument("--lr", type=float, default=3e-4)
@@ -59,6 +63,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("ttt_steps", "max_steps", "batch_tokens", "eval_every", "checkpoint_every"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
+    if args.draft_mlp_width is not None and args.draft_mlp_width < 1:
+        p.error(f"--draft-mlp-width {args.draft_mlp_width}: must be >= 1")
     if args.warmup_steps < 0 or args.lr <= 0 or args.weight_decay < 0 or args.ttt_step_loss_decay <= 0:
         p.error("--warmup-steps and --weight-decay must be >= 0, --lr and --ttt-step-loss-decay > 0")
     return args
@@ -186,7 +192,8 @@ def train(args, stop_after: int | None = None) -> dict | None:
 
     random.seed(args.seed)
     torch.manual_seed(args.seed)
-    model = build_draft(args.model, aux_ids, args.vocab, args.ttt_steps, device, args.trust_remote_code)
+    model = build_draft(args.model, aux_ids, args.vocab, args.ttt_steps, device, args.trust_remote_code,
+                        args.draft_architecture, args.draft_mlp_width)
     draft_vocab = int(model.draft_vocab_size)
     params = [p for p in model.parameters() if p.requires_grad]
     log.info("draft: %s trainable parameters, draft vocab %d, target vocab %d",

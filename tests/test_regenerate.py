@@ -1,0 +1,468 @@
+"""regenerate_responses: token-exact answers of the target, multi-turn prefixes, modes, accounting, resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from transformers import AutoTokenizer
+
+import tiny
+from eaglepipe import prepare_data
+from eaglepipe.chat_data import Chat, iter_chats
+from eaglepipe.chat_template import ChatTemplate
+from eaglepipe.degenerate import distinct_ngram_share, is_loop
+from eaglepipe.generation import Finished, Sampling, VLLMGenerator
+from eaglepipe.regenerate_responses import (
+    Mode, Regenerator, Settings, assemble, batched_parts, mode_templates, pick_mode, read_mtbench, request_seed,
+)
+from eaglepipe.tokenized_samples import iter_tokenized
+from workflow import REPO, copy_workflow, dry_run, snakemake, write_config
+
+STOP = 2  # <|im_end|> in tests/tiny.py's tokenizer, the tiny models' eos_token_id
+THINK_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{% if enable_thinking is defined and enable_thinking %}{{ 'think: ' }}{% endif %}{% endif %}"
+)
+# renders earlier answers differently from how the target wrote them (as Qwen3 drops old thinking)
+REWRITING_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'assistant' and not loop.last %}"
+    "{{ '<|im_start|>assistant\nold<|im_end|>\n' }}{% else %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+class Scripted:
+    """A generator that answers from a script: ``answer(conversation, turn, prompt)`` -> (text, finish_reason)."""
+
+    lookahead = 1
+
+    def __init__(self, tokenizer, answer):
+        self.tok, self.answer = tokenizer, answer
+        self.queue, self.prompts = [], {}
+
+    def submit(self, request_id, prompt_ids, seed):
+        self.queue.append((request_id, prompt_ids))
+        self.prompts[request_id] = prompt_ids
+
+    def step(self):
+        out = []
+        for rid, prompt in self.queue:
+            _, _, pos, turn = rid.rsplit("-", 3)
+            text, reason = self.answer(int(pos), int(turn), prompt)
+            ids = self.tok.encode(text, add_special_tokens=False)
+            out.append(Finished(rid, ids + [STOP] if reason == "stop" else ids, reason))
+        self.queue = []
+        return out
+
+
+def settings(**changes) -> Settings:
+    base = dict(model="m", revision=None, template_digests=("t",), backend="scripted", turns="all", temperature=0.0,
+                top_p=1.0, max_new_tokens=64, max_model_len=4096, seed=0,
+                modes=(Mode("default", 1.0, {}),), stop_token_ids=(STOP,), on_truncated="keep", on_loop="drop",
+                loop_ngram=4, loop_min_distinct_share=0.5)
+    return Settings(**{**base, **changes})
+
+
+def run_scripted(tmp_path, tok, items, answer, batch_size=4, **changes):
+    """Regenerate ``items`` with a scripted generator: (records, stats, the generator)."""
+    gen = Scripted(tok, answer)
+    s = settings(**changes)
+    regen = Regenerator(gen, mode_templates(tok, None, s.modes), s, tmp_path / "parts")
+    parts = regen.run(batched_parts("train", iter(items), s, batch_size), _NoProgress())
+    stats = assemble(parts, tmp_path / "parts", tmp_path / "out.jsonl")
+    records = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    return records, stats, gen
+
+
+class _NoProgress:
+    def update(self, n, **_):
+        pass
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_llama):
+    return AutoTokenizer.from_pretrained(tiny_llama)
+
+
+def prompt_ids(tok, messages):
+    return ChatTemplate(tok).prompt_ids(messages)
+
+
+def chat(cid, *turns):
+    return Chat(cid, [{"role": r, "content": c} for r, c in turns], f"test:{cid}")
+
+
+def masked_runs(ids, mask):
+    runs, cur = [], []
+    for t, m in zip(ids, mask):
+        if m:
+            cur.append(t)
+        elif cur:
+            runs.append(cur)
+            cur = []
+    return runs + ([cur] if cur else [])
+
+
+ANSWERS = ["the good word.", "water is new."]
+
+
+def test_multi_turn_prefix_is_the_regenerated_history_and_masks_are_the_answers(tmp_path, tok):
+    c = chat("c0", ("system", "you are a good help."), ("user", "what is it?"), ("assistant", "ORIGINAL one"),
+             ("user", "and then?"), ("assistant", "ORIGINAL two"))
+    records, stats, gen = run_scripted(tmp_path, tok, [c], lambda pos, turn, prompt: (ANSWERS[turn], "stop"))
+
+    first = prompt_ids(tok, c.messages[:2])
+    second = prompt_ids(tok, c.messages[:2] + [{"role": "assistant", "content": ANSWERS[0]}, c.messages[3]])
+    assert gen.prompts["train-0-0-0"] == first
+    assert gen.prompts["train-0-0-1"] == second
+    assert "ORIGINAL" not in tok.decode(second)
+    # the second prompt extends the first answer token for token: one sample for the conversation
+    [rec] = records
+    assert rec["id"] == rec["conversation"] == "c0"
+    answer_ids = [tok.encode(a, add_special_tokens=False) + [STOP] for a in ANSWERS]
+    assert rec["input_ids"] == second + answer_ids[1]
+    assert masked_runs(rec["input_ids"], rec["loss_mask"]) == answer_ids
+    assert sum(rec["loss_mask"]) == sum(map(len, answer_ids))
+    assert rec["answers"] == ANSWERS
+    assert stats["read"] == stats["kept"] == 1 and stats["by_mode"]["default"]["answers_kept"] == 2
+
+
+def test_first_turn_only(tmp_path, tok):
+    c = chat("c0", ("user", "what is it?"), ("assistant", "x"), ("user", "and then?"), ("assistant", "y"))
+    records, _, gen = run_scripted(tmp_path, tok, [c], lambda pos, turn, prompt: (ANSWERS[turn], "stop"),
+                                   turns="first")
+    assert list(gen.prompts) == ["train-0-0-0"]
+    [rec] = records
+    assert rec["input_ids"] == prompt_ids(tok, c.messages[:1]) + tok.encode(ANSWERS[0]) + [STOP]
+
+
+def test_history_the_template_rewrites_starts_a_sample_of_its_own(tmp_path, tiny_llama):
+    tok = tiny.make_tokenizer(tmp_path / "tok", chat_template=REWRITING_TEMPLATE)
+    c = chat("c0", ("user", "what is it?"), ("assistant", "x"), ("user", "and then?"), ("assistant", "y"))
+    records, _, gen = run_scripted(tmp_path, tok, [c], lambda pos, turn, prompt: (ANSWERS[turn], "stop"))
+    assert [r["id"] for r in records] == ["c0", "c0#1"]
+    assert {r["conversation"] for r in records} == {"c0"}
+    # each sample is the prompt the target saw for that turn, then its answer
+    assert records[1]["input_ids"][: len(gen.prompts["train-0-0-1"])] == gen.prompts["train-0-0-1"]
+    assert [r["answers"] for r in records] == [[ANSWERS[0]], [ANSWERS[1]]]
+
+
+def test_samples_of_a_conversation_share_its_split(tmp_path, tiny_llama):
+    tok = tiny.make_tokenizer(tmp_path / "tok", chat_template=REWRITING_TEMPLATE)
+    items = [chat(f"c{i}", ("user", "what is it?"), ("assistant", "x"), ("user", "and then?")) for i in range(30)]
+    run_scripted(tmp_path, tok, items, lambda pos, turn, prompt: (ANSWERS[turn], "stop"))
+    prepare_data.main(["--data", str(tmp_path / "out.jsonl"), "--pretokenized", "--model", str(tiny_llama),
+                       "--out-dir", str(tmp_path / "data"), "--eval-fraction", "0.5"])
+    split_of = {}
+    for split in ("train", "eval"):
+        for line in (tmp_path / "data" / f"{split}.jsonl").read_text().splitlines():
+            sample_id = json.loads(line)["id"]
+            split_of.setdefault(sample_id.split("#")[0], set()).add(split)
+    assert len(split_of) == 30 and all(len(s) == 1 for s in split_of.values())
+    assert {s for v in split_of.values() for s in v} == {"train", "eval"}
+    stats = json.loads((tmp_path / "data" / "stats.json").read_text())
+    assert stats["read"] == stats["kept"] == 60
+
+
+def test_the_thinking_switch_reaches_the_template(tmp_path):
+    tok = tiny.make_tokenizer(tmp_path / "tok", chat_template=THINK_TEMPLATE)
+    modes = (Mode("think", 1.0, {"enable_thinking": True}), Mode("no_think", 1.0, {"enable_thinking": False}))
+    items = [chat(f"c{i}", ("user", "what is it?")) for i in range(24)]
+    records, stats, gen = run_scripted(tmp_path, tok, items, lambda pos, turn, prompt: ("good.", "stop"),
+                                       modes=modes)
+    think = tok.encode("think: ", add_special_tokens=False)
+    for rec in records:
+        prompt = gen.prompts[f"train-{int(rec['id'][1:]) // 4}-{int(rec['id'][1:]) % 4}-0"]
+        assert (prompt[-len(think):] == think) == (rec["mode"] == "think"), rec["id"]
+        assert rec["mode"] == pick_mode(modes, 0, rec["id"]).name
+    by_mode = stats["by_mode"]
+    assert set(by_mode) == {"think", "no_think"} and all(m["kept"] > 0 for m in by_mode.values())
+    assert sum(m["kept"] for m in by_mode.values()) == stats["kept"] == 24
+
+
+class RecordingTemplate(ChatTemplate):
+    seen: list
+
+    def prompt_ids(self, messages, tools=None):
+        self.seen.append([dict(m) for m in messages])
+        return super().prompt_ids(messages, tools)
+
+
+def test_thinking_answers_enter_the_history_as_reasoning_content(tmp_path, tok):
+    template = RecordingTemplate(tok)
+    template.seen = []
+    s = settings()
+    c = chat("c0", ("user", "what is it?"), ("user", "and then?"))
+    Regenerator(Scripted(tok, lambda *_: ("<think>the word.</think>water is new.", "stop")), {"default": template},
+                s, tmp_path / "parts").run(batched_parts("train", iter([c]), s, 4), _NoProgress())
+    assert template.seen[1][1] == {"role": "assistant", "content": "water is new.", "reasoning_content": "the word."}
+
+
+LOOP = " ".join(["the word"] * 12)
+
+
+def degenerate_script(pos, turn, prompt):
+    return [("the good word.", "stop"), (LOOP, "stop"), ("the good word is", "length"), ("", "stop")][pos % 4]
+
+
+@pytest.mark.parametrize("on_loop,on_truncated", [("drop", "keep"), ("keep", "drop")])
+def test_degenerate_answers_are_counted_and_kept_or_dropped(tmp_path, tok, on_loop, on_truncated):
+    items = [chat(f"c{i}", ("user", "what is it?")) for i in range(8)]
+    records, stats, _ = run_scripted(tmp_path, tok, items, degenerate_script, on_loop=on_loop,
+                                     on_truncated=on_truncated)
+    mode = stats["by_mode"]["default"]
+    assert (mode["answers"], mode["loops"], mode["truncated"], mode["empty"]) == (8, 2, 2, 2)
+    dropped = {"empty_answer": 2, "loop" if on_loop == "drop" else "truncated": 2}
+    assert mode["dropped_by_reason"] == dropped
+    assert stats["skipped_by_reason"] == dropped
+    assert stats["read"] == stats["kept"] + stats["skipped"] == 8
+    kept_ids = {r["id"] for r in records}
+    assert kept_ids == {f"c{i}" for i in range(8) if i % 4 in ((0, 2) if on_loop == "drop" else (0, 1))}
+    # a truncated answer has no stop token, and its tokens are all masked
+    for r in records:
+        assert r["input_ids"][-1] == STOP or int(r["id"][1:]) % 4 == 2
+        assert r["loss_mask"][-1] == 1
+
+
+def test_a_dropped_later_answer_ends_the_conversation_and_keeps_the_earlier(tmp_path, tok):
+    c = chat("c0", ("user", "what is it?"), ("user", "and then?"), ("user", "more?"))
+    records, stats, gen = run_scripted(tmp_path, tok, [c],
+                                       lambda pos, turn, prompt: ("the good word.", "stop") if turn == 0 else (LOOP, "stop"))
+    assert len(gen.prompts) == 2  # the third turn is never asked
+    assert records[0]["answers"] == ["the good word."]
+    assert stats["kept"] == 1 and stats["ended_early_by_reason"] == {"loop": 1}
+
+
+def test_bad_inputs_are_counted(tmp_path, tok):
+    data = tmp_path / "chats.jsonl"
+    lines = [
+        {"id": "ok", "conversations": [{"role": "user", "content": "what is it?"}]},
+        "{not json",
+        {"id": "role", "conversations": [{"role": "robot", "content": "x"}]},
+        {"id": "ok", "conversations": [{"role": "user", "content": "again"}]},
+        {"id": "nouser", "conversations": [{"role": "system", "content": "s"}, {"role": "assistant", "content": "a"}]},
+        {"id": "long", "conversations": [{"role": "user", "content": "word " * 200}]},
+        {"id": "aborted", "conversations": [{"role": "user", "content": "and then?"}]},
+    ]
+    data.write_text("".join((l if isinstance(l, str) else json.dumps(l)) + "\n" for l in lines))
+
+    def answer(pos, turn, prompt):
+        return ("good.", "abort") if pos == 6 else ("good.", "stop")
+
+    records, stats, _ = run_scripted(tmp_path, tok, list(iter_chats(str(data))), answer, batch_size=8,
+                                     max_model_len=128)
+    assert [r["id"] for r in records] == ["ok"]
+    assert stats["skipped_by_reason"] == {"bad_json": 1, "unknown_role": 1, "duplicate_id": 1, "no_user_turn": 1,
+                                          "prompt_too_long": 1, "failed": 1}
+    assert stats["failed"] == [{"conversation": "aborted", "source": f"{data}:7",
+                                "error": "the engine finished the request with 'abort'"}]
+    assert stats["read"] == stats["kept"] + stats["skipped"] == 7
+
+
+def test_prepare_data_counts_bad_pretokenized_records(tmp_path, tiny_llama):
+    data = tmp_path / "samples.jsonl"
+    good = [{"id": f"g{i}", "conversation": f"g{i}", "input_ids": [1, 5, 6 + i, 2], "loss_mask": [0, 0, 1, 1]}
+            for i in range(6)]
+    bad = [
+        {**good[0], "id": "b", "loss_mask": [0, 1]},
+        {**good[0], "id": "c", "input_ids": [1, -5, 6, 2]},
+        {**good[0], "id": "d", "loss_mask": [0, 0, 0, 0]},
+        {**good[0], "id": "e", "conversation": None},
+        {**good[0], "id": "f", "loss_mask": [0, 0, 2, 1]},
+        good[0],
+    ]
+    data.write_text("".join(json.dumps({**r, "answers": ["for people"]}) + "\n" for r in good + bad) + "{cut\n")
+    prepare_data.main(["--data", str(data), "--pretokenized", "--model", str(tiny_llama), "--out-dir",
+                       str(tmp_path / "out"), "--eval-fraction", "0.5"])
+    stats = json.loads((tmp_path / "out" / "stats.json").read_text())
+    assert stats["skipped_by_reason"] == {"bad_loss_mask": 2, "bad_token_ids": 1, "no_assistant_token": 1,
+                                          "missing_field": 1, "duplicate_id": 1, "bad_json": 1}
+    assert stats["read"] == 13 and stats["kept"] == 6
+    written = [json.loads(line) for split in ("train", "eval")
+               for line in (tmp_path / "out" / f"{split}.jsonl").read_text().splitlines()]
+    # taken as they are: the same ids and masks, the fields for people left out
+    expected = {r["id"]: {k: r[k] for k in ("id", "input_ids", "loss_mask")} for r in good}
+    assert {r["id"]: r for r in written} == expected
+
+
+def test_distinct_ngram_share():
+    assert distinct_ngram_share([1, 2, 3], 8) == 1.0
+    assert distinct_ngram_share(list(range(20)), 8) == 1.0
+    assert distinct_ngram_share([1, 2] * 10, 2) == 2 / 19
+    assert is_loop([1, 2, 3] * 10, 8, 0.5) and not is_loop(list(range(30)), 8, 0.5)
+
+
+def test_mtbench_questions_are_the_80_two_turn_prompts():
+    questions = list(read_mtbench())
+    assert len(questions) == 80 and len({q.id for q in questions}) == 80
+    assert all([m["role"] for m in q.messages] == ["user", "user"] for q in questions)
+
+
+class FakeVLLM:
+    """``llm_engine.add_request`` + ``step()`` as vLLM's offline engine: each step finishes a random
+    subset of the queued requests (FINAL_ONLY outputs, the stop token in ``token_ids``); the answer
+    depends on the request's seed only, as a seeded sampler's would."""
+
+    def __init__(self, tok, finish_per_step: int, seed: int = 0):
+        self.tok, self.n, self.rng = tok, finish_per_step, random.Random(seed)
+        self.queue, self.params, self.events = {}, {}, []
+        self.llm_engine = self
+
+    def add_request(self, request_id, prompt, params):
+        assert request_id not in self.queue
+        self.queue[request_id] = params
+        self.params[request_id] = params
+        self.events.append(("add", request_id))
+
+    def step(self):
+        assert self.queue, "step() with nothing queued would block forever in vLLM"
+        rids = list(self.queue)
+        self.rng.shuffle(rids)
+        out = []
+        for rid in rids[: self.n]:
+            params = self.queue.pop(rid)
+            text = " ".join(random.Random(params.seed).sample(tiny.WORDS, 4)) + "."
+            ids = self.tok.encode(text, add_special_tokens=False) + [STOP]
+            out.append(SimpleNamespace(request_id=rid, finished=True,
+                                       outputs=[SimpleNamespace(token_ids=ids, finish_reason="stop")]))
+            self.events.append(("done", rid))
+        return out + [SimpleNamespace(request_id="unfinished-noise", finished=False, outputs=[])]
+
+
+def run_fake_vllm(tmp_path, tok, items, finish_per_step):
+    engine = FakeVLLM(tok, finish_per_step)
+    sampling = Sampling(0.7, 0.9, 64, (STOP,))
+    gen = VLLMGenerator(engine, sampling, SimpleNamespace)
+    s = settings(temperature=0.7, top_p=0.9)
+    parts = Regenerator(gen, mode_templates(tok, None, s.modes), s, tmp_path / "parts").run(batched_parts("train", iter(items), s, 4),
+                                                                 _NoProgress())
+    assemble(parts, tmp_path / "parts", tmp_path / "out.jsonl")
+    return (tmp_path / "out.jsonl").read_text(), engine
+
+
+def test_vllm_request_stream_answers_reach_their_conversations_in_any_order(tmp_path, tok):
+    items = [chat(f"c{i}", *[("user", f"question {j} of {i}?") for j in range(1 + i % 3)]) for i in range(12)]
+    streamed, engine = run_fake_vllm(tmp_path / "a", tok, items, finish_per_step=3)
+    serial, _ = run_fake_vllm(tmp_path / "b", tok, items, finish_per_step=1)
+    assert streamed == serial
+    assert len(streamed.splitlines()) == 12
+    for rid, params in engine.params.items():
+        set_name, part, pos, turn = rid.split("-")
+        cid = f"c{int(part) * 4 + int(pos)}"
+        assert (params.seed, params.temperature, params.top_p, params.max_tokens, params.stop_token_ids) == (
+            request_seed(0, cid, int(turn)), 0.7, 0.9, 64, [STOP])
+    # a conversation's next turn is added as soon as its answer is back, while others still run
+    order = engine.events
+    first_next_turn = min(i for i, (kind, rid) in enumerate(order) if kind == "add" and rid.endswith("-1"))
+    assert first_next_turn < max(i for i, (kind, rid) in enumerate(order) if kind == "done" and rid.endswith("-0"))
+
+
+# -- the CLI with a real (tiny, random) target on transformers ------------------------------------
+
+def cli(tmp_path, model, data, out="run", extra=()):
+    out = tmp_path / out
+    return [sys.executable, "-m", "eaglepipe.regenerate_responses", "--data", str(data), "--model", str(model),
+            "--out", str(out / "chats.jsonl"), "--stats", str(out / "stats.json"), "--parts-dir",
+            str(out / "parts"), "--backend", "hf", "--dtype", "float32", "--max-new-tokens", "12",
+            "--on-loop", "keep", *extra]
+
+
+def run_cli(args):
+    env = {**os.environ, "PYTHONPATH": str(REPO / "scripts"), "OMP_NUM_THREADS": "1"}
+    p = subprocess.run(args, capture_output=True, text=True, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+
+
+def test_cli_is_deterministic_and_token_exact(tmp_path, tiny_llama):
+    data = tiny.make_chats(tmp_path / "chats.jsonl", n=8)
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    run_cli(cli(tmp_path, tiny_llama, data, "a", ["--batch-size", "3", "--eval-prompts", "package:mtbench",
+                                                  "--eval-out", str(tmp_path / "a" / "mtbench.jsonl"),
+                                                  "--turns", "first"]))
+    run_cli(cli(tmp_path, tiny_llama, data, "b", ["--batch-size", "5", "--turns", "first"]))
+    a, b = (tmp_path / "a" / "chats.jsonl").read_text(), (tmp_path / "b" / "chats.jsonl").read_text()
+    assert a == b  # greedy: the same answers whatever the parts
+    chats = {c.id: c for c in iter_chats(str(data))}
+    for rec in map(json.loads, a.splitlines()):
+        c = chats[rec["conversation"]]
+        prompt = prompt_ids(tok, c.messages[: [m["role"] for m in c.messages].index("user") + 1])
+        completion = rec["input_ids"][len(prompt):]
+        assert rec["input_ids"][: len(prompt)] == prompt
+        assert rec["loss_mask"] == [0] * len(prompt) + [1] * len(completion)
+        assert completion[-1] == STOP or len(completion) == 12
+    stats = json.loads((tmp_path / "a" / "stats.json").read_text())
+    assert stats["sets"]["eval_prompts"]["read"] == 80
+    assert stats["sets"]["train"]["read"] == 8 and stats["run"]["parts_written"] == 3 + 27
+
+
+def test_sampling_follows_the_seed(tmp_path, tiny_llama):
+    data = tiny.make_chats(tmp_path / "chats.jsonl", n=4)
+    sampled = ["--temperature", "1.0", "--top-p", "0.9"]
+    for name, seed in (("a", "1"), ("b", "1"), ("c", "2")):
+        run_cli(cli(tmp_path, tiny_llama, data, name, [*sampled, "--seed", seed, "--batch-size", "3" if name == "b" else "2"]))
+    a, b, c = ((tmp_path / n / "chats.jsonl").read_text() for n in "abc")
+    assert a == b and a != c
+
+
+def test_resume_after_kill_equals_an_uninterrupted_run(tmp_path, tiny_llama):
+    data = tiny.make_chats(tmp_path / "chats.jsonl", n=16)
+    args = cli(tmp_path, tiny_llama, data, "killed", ["--batch-size", "2", "--max-new-tokens", "24"])
+    env = {**os.environ, "PYTHONPATH": str(REPO / "scripts"), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    parts = tmp_path / "killed" / "parts" / "train"
+    while proc.poll() is None and not list(parts.glob("*.json")):
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (tmp_path / "killed" / "chats.jsonl").exists()
+    finished_before = len(list(parts.glob("*.json")))
+    assert finished_before >= 1
+
+    run_cli(args)
+    run_cli(cli(tmp_path, tiny_llama, data, "whole", ["--batch-size", "2", "--max-new-tokens", "24"]))
+    assert (tmp_path / "killed" / "chats.jsonl").read_bytes() == (tmp_path / "whole" / "chats.jsonl").read_bytes()
+    run = json.loads((tmp_path / "killed" / "stats.json").read_text())["run"]
+    assert run["parts_reused"] == finished_before and run["parts_written"] == 8 - finished_before > 0
+    assert not list(parts.glob(".tmp-*"))
+
+
+# -- the rule --------------------------------------------------------------------------------------
+
+def test_rule_reruns_on_sampling_changes_only(tmp_path, tiny_llama):
+    ws = copy_workflow(tmp_path)
+    chats = tiny.make_chats(ws / "chats.jsonl", n=12)
+    write_config(ws, {
+        "run_name": "tiny",
+        "target": {"model": str(tiny_llama), "build": None, "deploy_name": "tiny/llama"},
+        "data": {"path": str(chats), "max_length": 256, "eval_fraction": 0.5},
+        "draft": {"vocab_size": 64},
+        "extract": {"backend": "hf", "device": "cpu", "batch_size": 4},
+        "regenerate": {"enabled": True, "max_new_tokens": 8, "on_loop": "keep", "eval_prompts": str(chats),
+                       "turns": "first"},
+    })
+    jobs, reasons, _ = dry_run(ws)
+    assert jobs["regenerate_responses"] == 1 and "regenerate_responses" in reasons["output files have to be generated"]
+    snakemake(ws, "results/tiny/data/train.jsonl")
+    jobs, _, _ = dry_run(ws)
+    assert "regenerate_responses" not in jobs and "prepare_data" not in jobs
+    jobs, reasons, out = dry_run(ws, "--config", 'regenerate={"enabled": true, "max_new_tokens": 8, '
+                                 '"on_loop": "keep", "eval_prompts": "' + str(chats) + '", "turns": "first", '
+                                 '"temperature": 0.9}')
+    assert {"regenerate_responses", "prepare_data"} <= set(jobs), out
+    assert any("regenerate_responses" in rules for reason, rules in reasons.items() if "params" in reason.lower()), out
+    jobs, _, out = dry_run(ws, "--config", 'train={"lr": 0.002}')
+    assert "regenerate_responses" not in jobs and "prepare_data" not in jobs, out
