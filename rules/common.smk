@@ -213,13 +213,19 @@ def every_output():
     """
     run = config["run_name"]
     intermediate = replica_part_files(run)
-    for r in (
+    producers = [
         rules.prepare_data,
         rules.vocab_mapping,
         rules.gather_hidden_states,
         rules.train_draft,
-    ):
-        intermediate += expand(r.output, run=run)
+    ]
+    if config["regenerate"]["enabled"]:
+        producers.append(rules.regenerate_responses)
+    if config["benchmark_serving"]["enabled"]:
+        producers += [rules.benchmark_serving, rules.extract_parity_hidden_states]
+    for r in producers:
+        # the parity set is extracted by one replica (rule evaluate_parity)
+        intermediate += expand(r.output, run=run, i=0, r=1)
     return final_outputs() + intermediate
 
 

@@ -209,7 +209,7 @@ def train(args, stop_after: int | None = None) -> dict | None:
     resume = checkpoints.find_resume(out, digest) if main_rank else None
     if resume and resume[1]["step"] >= args.max_steps:
         # the training finished: a job over it was forced (--forcerun train_draft) and trains anew
-        log.info("checkpoint %s ends a finished training: retraining from scratch", resume[0])
+        log.info("retraining from scratch: %s ends a finished training", resume[0])
         checkpoints.remove_all(out)
         resume = None
     if world > 1:
