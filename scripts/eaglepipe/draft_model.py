@@ -25,6 +25,12 @@ NORM_FLAGS = {"norm_before_residual": True, "norm_before_fc": True, "fc_norm": F
 NUM_DRAFT_LAYERS = mla_draft.NUM_DRAFT_LAYERS  # one layer, whichever architecture
 ARCHITECTURES = ("auto", "llama", "mla")
 
+# The loss implementation every stage passes to speculators' resolve_loss_config. speculators'
+# fused (triton) losses need CUDA, and on the H200 (torch 2.11) torch.compile's trace of the
+# training forward failed on them ("ListVariable ... already tracked" on the kernels' autotune
+# configs); the eager losses run everywhere and are compiled with the forward on GPUs.
+LOSS_IMPLEMENTATION = "eager"
+
 
 def attn_impl_for(device: torch.device | str) -> str:
     """sdpa on CPU (flex attention has no CPU backward); speculators' compiled flex attention on CUDA."""

@@ -50,8 +50,8 @@ def main(argv=None) -> None:
     from speculators.losses import resolve_loss_config
 
     from .acceptance import eval_metrics, evaluate_rows
-    from .draft_model import load_draft, load_target_head, row_length
-    from .train_draft import LOSS_IMPLEMENTATION, set_threads
+    from .draft_model import LOSS_IMPLEMENTATION, load_draft, load_target_head, row_length
+    from .runtime import set_threads
 
     set_threads()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
