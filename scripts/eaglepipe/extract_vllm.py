@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from .vllm_env import set_vllm_env_defaults
+
 # Tokens queued in the engine and not yet finished: several scheduler steps' worth keeps the GPU
 # busy while the caller is busy, and it bounds the files staged at any time.
 LOOKAHEAD_TOKENS = 1 << 17
@@ -35,9 +37,7 @@ class VLLMExtractor:
                  gpu_memory_utilization: float = 0.9, enforce_eager: bool = False,
                  revision: str | None = None, trust_remote_code: bool = False,
                  connector_threads: int | None = None):
-        # flashinfer is not part of the verified install; spawn keeps the engine clean of CUDA state
-        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        set_vllm_env_defaults()
         from vllm import LLM, SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
