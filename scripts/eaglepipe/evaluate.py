@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from .atomic import read_json_object, write_json
+from .layers import aux_layer_ids
 from .packed_data import PackedRows
 from .shards import load_manifest
 
@@ -61,7 +62,7 @@ def main(argv=None) -> None:
     except ValueError as e:
         raise SystemExit(str(e)) from e
     model = load_draft(args.draft, args.model, device)
-    aux = [int(i) for i in manifest["layer_ids"][:-1]]
+    aux = [int(i) for i in aux_layer_ids(manifest["layer_ids"])]
     if list(model.target_layer_ids) != aux:
         raise SystemExit(f"draft {args.draft}: eagle_aux_hidden_state_layer_ids {model.target_layer_ids} differ "
                          f"from the manifest's aux ids {aux} ({args.manifest})")

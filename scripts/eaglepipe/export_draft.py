@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from . import mla_draft
 from .atomic import atomic_dir, read_json_object
+from .layers import aux_layer_ids
 from .serving_limits import DRAFT_ARCHS, NORM_FLAGS, aux_count_error, rope_error
 
 SUMMARY_KEYS = ("best", "last", "steps", "best_eval", "layer_ids", "aux_layer_ids", "target_model",
@@ -46,7 +47,7 @@ def load_summary(path: str | os.PathLike) -> dict:
     if missing:
         raise ExportError(f"training summary {path}: missing key(s) {missing}; the trainer writes {list(SUMMARY_KEYS)}")
     aux, ids = summary["aux_layer_ids"], summary["layer_ids"]
-    if not (isinstance(aux, list) and isinstance(ids, list) and aux and ids[:-1] == aux):
+    if not (isinstance(aux, list) and isinstance(ids, list) and aux and aux_layer_ids(ids) == aux):
         raise ExportError(
             f"training summary {path}: field aux_layer_ids {aux} must be layer_ids {ids} without the final id"
         )

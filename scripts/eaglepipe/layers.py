@@ -51,6 +51,11 @@ def validate_layer_ids(layer_ids: list[int], num_hidden_layers: int) -> list[int
     return ids
 
 
+def aux_layer_ids(layer_ids: list) -> list:
+    """The aux ids, whose states feed the draft: every layer id but the last, the final layer's."""
+    return list(layer_ids[:-1])
+
+
 def resolve_layer_ids(configured: list[int] | None, num_hidden_layers: int) -> list[int]:
     """The configured ids (validated) or the default for this target."""
     if configured is None:

@@ -29,7 +29,7 @@ from .atomic import atomic_path, sha256_file, write_json
 from .dir_lock import dir_lock
 from .draft_model import ARCHITECTURES, LOSS_IMPLEMENTATION
 from .model_dir import check_model_dir
-from .layers import validate_layer_ids
+from .layers import aux_layer_ids, validate_layer_ids
 from .packed_data import PackedRows
 from .prefetch import prefetch
 from .progress import TokenProgress
@@ -133,7 +133,7 @@ def train(args, stop_after: int | None = None) -> dict | None:
         validate_layer_ids(layer_ids, int(manifest["target"].get("num_hidden_layers", layer_ids[-1])))
     except ValueError as e:
         raise SystemExit(f"manifest {args.manifest}: {e}") from e
-    aux_ids = layer_ids[:-1]
+    aux_ids = aux_layer_ids(layer_ids)
     settings = run_settings(args, manifest)
     digest = checkpoints.settings_digest(settings)
     log.info("target %s, layer ids %s (aux %s), %d thread(s), device %s, world size %d, settings digest %s",
