@@ -181,14 +181,18 @@ def load_draft(draft_dir: str | Path, target: str | Path, device: torch.device |
     with safe_open(str(draft_dir / "model.safetensors"), framework="pt") as f:
         has_embedding = "embed_tokens.weight" in f.keys()
     if not has_embedding:
-        # speculators refills only a NaN embedding, but transformers 5 leaves a missing one as
-        # uninitialised memory (not NaN), so copy the target's explicitly
-        from speculators.utils.loading import load_model_layers
-
-        embed = load_model_layers(["embed_tokens.weight"], str(target))["embed_tokens.weight"]
-        with torch.no_grad():
-            model.embed_tokens.weight.copy_(embed)
+        load_target_embedding(model, target)
     return model.to(device).eval()
+
+
+def load_target_embedding(model, target: str | Path) -> None:
+    """Fill a speculators draft loaded from a file without ``embed_tokens.weight`` (an export
+    may drop it: vLLM shares the target's) with the target's. speculators refills only a NaN
+    embedding, but transformers 5 leaves a missing weight uninitialised (not NaN)."""
+    from speculators.utils.loading import load_model_layers
+
+    embed = load_model_layers(["embed_tokens.weight"], str(target))["embed_tokens.weight"]
+    model.embed_tokens.load_state_dict({"weight": embed})
 
 
 def _load_served_mla(draft_dir: Path, served: dict, target: str | Path, device) -> torch.nn.Module:

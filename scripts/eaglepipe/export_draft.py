@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from . import mla_draft
 from .atomic import atomic_dir, read_json_object
+from .draft_model import load_target_embedding
 from .layers import aux_layer_ids
 from .serving_limits import DRAFT_ARCHS, NORM_FLAGS, aux_count_error, rope_error
 
@@ -157,16 +158,13 @@ def export_config(config: dict, summary: dict, verifier_name: str, k: int, where
 def roundtrip_check(out_dir: Path, target: str, written: dict[str, torch.Tensor], name: Path) -> None:
     """Load the export in ``out_dir`` (bound for ``name``) with speculators and compare the tensors."""
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
-    from speculators.utils.loading import load_model_layers
 
     cfg = Eagle3SpeculatorConfig.from_pretrained(str(out_dir))
     cfg.speculators_config.verifier.name_or_path = target  # the deploy name need not exist here
     try:  # speculators also reads the target's head and final norm here: they must fit the draft
         model = Eagle3DraftModel.from_pretrained(str(out_dir), config=cfg, dtype=torch.bfloat16)
         if EMBED not in written:
-            # transformers 5 leaves a weight absent from the file uninitialised (not NaN), so speculators'
-            # NaN test for "fill from the verifier" can miss it: load the target's embedding explicitly.
-            model.embed_tokens.load_state_dict({"weight": load_model_layers([EMBED], target)[EMBED]})
+            load_target_embedding(model, target)
     except (RuntimeError, KeyError, ValueError) as e:
         detail = " ".join(str(e).split())
         raise ExportError(f"export {name}: speculators cannot load it against the target {target} (whose "
