@@ -1,12 +1,12 @@
 """Export a trained draft as the directory vLLM serves: config.json + model.safetensors.
 
 The checkpoint is speculators' ``save_pretrained`` output of an ``Eagle3DraftModel``; the export is
-the same format (vLLM loads it natively, research/speculators.md §1.5-1.6) with the deploy-time
-verifier name, K, bf16 weights, and optionally without ``embed_tokens`` (vLLM then shares the
-target's, which training never changes). Everything is checked before the directory appears, and
-the result is round-trip loaded with speculators against the training target. What vLLM 0.26.0
-cannot serve as trained (serving_limits.py) is refused. The model card (README.md) is the
-model_card stage's, written once the draft has been evaluated.
+the same format (vLLM 0.26.0 loads it natively: vllm/transformers_utils/configs/speculators/)
+with the deploy-time verifier name, K, bf16 weights, and optionally without ``embed_tokens`` (vLLM
+then shares the target's, which training never changes). Everything is checked before the
+directory appears, and the result is round-trip loaded with speculators against the training
+target. What vLLM 0.26.0 cannot serve as trained (serving_limits.py) is refused. The model card
+(README.md) is the model_card stage's, written once the draft has been evaluated.
 
     python -m eaglepipe.export_draft --summary results/run/train/summary.json --which best \
         --verifier-name moonshotai/Kimi-K2.5 --num-speculative-tokens 3 --drop-embedding \

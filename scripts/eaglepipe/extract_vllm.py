@@ -1,6 +1,6 @@
 """Hidden states from vLLM's built-in ``extract_hidden_states`` speculative method.
 
-The call is the one verified on an H200 with vLLM 0.26.0 (shared/device/README.md §2): the
+The call is the one verified on an H200 with vLLM 0.26.0 (benchmarks/README.md): the
 ``ExampleHiddenStatesConnector`` writes one safetensors file per request into a staging
 directory; we read each file (``load_hidden_states`` waits on the writer's lock), hand the
 states to the caller and delete the file. vLLM is imported lazily: CPU users do not have it.
