@@ -66,3 +66,18 @@ def test_aux_ids_must_match_manifest(tiny_llama, tmp_path):
     with pytest.raises(SystemExit, match=r"eagle_aux_hidden_state_layer_ids \[2, 3, 5\] differ"):
         evaluate.main(["--draft", str(draft), "--manifest", str(run["manifest"]), "--model", str(tiny_llama),
                        "--k", "2", "--out", str(tmp_path / "o.json")])
+
+
+def test_stratum_config_reaches_both_clis(tmp_path):
+    """evaluate.context_buckets and evaluate.select_by in the planned commands of `snakemake -n -p`."""
+    from workflow import copy_workflow, snakemake
+
+    ws = copy_workflow(tmp_path)
+    p = snakemake(ws, "-n", "-p", "--config", 'evaluate={"context_buckets": [256, 4096], "select_by": "context:>4096"}')
+    lines = p.stdout.splitlines()
+    offline = next(line for line in lines if "eaglepipe.evaluate " in line and "offline.json" in line)
+    train = next(line for line in lines if "eaglepipe.train_draft " in line)
+    assert "--context-buckets 256 4096 --out" in offline
+    assert "--context-buckets 256 4096 --select-by 'context:>4096'" in train
+    bad = snakemake(ws, "-n", "--config", 'evaluate={"select_by": "length:>4096"}', check=False)
+    assert bad.returncode != 0 and "select_by" in bad.stdout + bad.stderr
