@@ -200,11 +200,13 @@ def stratum_labels(strata: Strata, input_ids: torch.Tensor, loss_mask: torch.Ten
 
 def strata_counts(hit: torch.Tensor, evaluable: torch.Tensor, valid: torch.Tensor, labels: dict[str, torch.Tensor],
                   strata: Strata) -> dict[str, torch.Tensor]:
-    """``chain_counts`` per label, flat keys ``"<stratum>/<count>"`` of shape [labels, ...]."""
+    """``chain_counts`` per label, flat keys ``"<stratum>/<count>"`` of shape [labels, ...]. A row of
+    another label is masked out of ``evaluable`` and ``valid``, which leaves it out of every count
+    (no boolean indexing: nothing waits on the GPU)."""
     out = {}
     for name, names in strata.labels().items():
-        per = [chain_counts(hit[labels[name] == i], evaluable[labels[name] == i], valid[labels[name] == i])
-               for i in range(len(names))]
+        per = [chain_counts(hit, evaluable & sel, valid & sel)
+               for sel in ((labels[name] == i).unsqueeze(1) for i in range(len(names)))]
         for key in per[0]:
             out[f"{name}/{key}"] = torch.stack([c[key] for c in per])
     return out
