@@ -153,7 +153,8 @@ def load_strata(model_dir: str, context_buckets: list[int], trust_remote_code: b
     """Strata for a target: the thinking stratum when its tokenizer has THINK_TAGS as tokens."""
     from transformers import AutoTokenizer
 
-    if not context_buckets or any(b <= a for a, b in zip(context_buckets, context_buckets[1:])) or context_buckets[0] < 1:
+    ascending = all(b > a for a, b in zip(context_buckets, context_buckets[1:]))
+    if not context_buckets or not ascending or context_buckets[0] < 1:
         raise SystemExit(f"--context-buckets {context_buckets}: need positive, strictly ascending token counts")
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     return Strata(tuple(context_buckets), think_token_ids(tokenizer))

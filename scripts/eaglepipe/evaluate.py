@@ -84,8 +84,8 @@ def main(argv=None) -> None:
     log.info("acceptance length %s (k=%d) over %d anchors; per-position acceptance %s",
              result["acceptance_length"], args.k, result["anchors"], result["per_position_acceptance"])
     for name, by_label in result["strata"].items():
-        log.info("acceptance length by %s: %s", name,
-                 ", ".join(f"{label} {s['acceptance_length']} ({s['anchors']} anchors)" for label, s in by_label.items()))
+        shown = (f"{label} {s['acceptance_length']} ({s['anchors']} anchors)" for label, s in by_label.items())
+        log.info("acceptance length by %s: %s", name, ", ".join(shown))
 
 
 def parity_run(path: str, k: int) -> dict:
