@@ -1,5 +1,6 @@
 """The offline acceptance-length estimator: chain logic on hand-built cases, batch-size invariance,
-and the TTT/target alignment on real tiny-target shards (an off-by-one cannot reach accuracy 1)."""
+the TTT/target alignment on real tiny-target shards (an off-by-one cannot reach accuracy 1), and the
+strata (labels on hand-built rows, sums back to the overall counts, best-checkpoint selection)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import torch
 from test_packed_data import make_run
 
 from eaglepipe.acceptance import (CHAIN_KEYS, Strata, add_counts, anchor_tensors, chain_counts, check_select_by,
-                                  eval_metrics, evaluate_rows, select_value, strata_counts, stratum_labels, summarize,
-                                  summarize_strata, think_token_ids)
+                                  eval_metrics, evaluate_rows, load_strata, select_value, strata_counts,
+                                  stratum_labels, summarize, summarize_strata)
 
 B = torch.tensor
 
@@ -156,16 +157,18 @@ def test_select_by():
         check_select_by("context:<=1024", strata)
 
 
-def test_think_token_ids():
-    class Tok:
-        def __init__(self, vocab):
-            self.vocab = vocab
+def test_thinking_stratum_from_the_targets_tokenizer(tiny_llama, tmp_path):
+    from tiny import FAMILIES, make_tokenizer
+    from transformers import AutoTokenizer
 
-        def get_vocab(self):
-            return self.vocab
-
-    assert think_token_ids(Tok({"<think>": 3, "</think>": 4, "a": 0})) == (3, 4)
-    assert think_token_ids(Tok({"<think>": 3})) is None
+    make_tokenizer(tmp_path / "qwen3", **FAMILIES["qwen3"])
+    tok = AutoTokenizer.from_pretrained(tmp_path / "qwen3")
+    strata = load_strata(str(tmp_path / "qwen3"), [512, 2048])
+    assert strata.think_ids == tuple(tok.convert_tokens_to_ids(["<think>", "</think>"]))
+    assert list(strata.labels()) == ["context", "turn", "thinking"]
+    assert load_strata(str(tiny_llama), [512]).think_ids is None  # plain ChatML tokenizer: no such tokens
+    with pytest.raises(SystemExit, match=r"--context-buckets \[512, 512\]: need positive, strictly ascending"):
+        load_strata(str(tiny_llama), [512, 512])
 
 
 def test_ttt_alignment_oracle_reaches_accuracy_one(tiny_llama, tmp_path):
