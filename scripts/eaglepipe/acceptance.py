@@ -160,7 +160,7 @@ def load_strata(model_dir: str, context_buckets: list[int], trust_remote_code: b
     return Strata(tuple(context_buckets), think_token_ids(tokenizer))
 
 
-THINK_TAGS = ("<think>", "</think>")  # Qwen3's, DeepSeek-R1's and Kimi's reasoning delimiters
+THINK_TAGS = ("<think>", "</think>")  # the reasoning delimiters of Qwen3's and DeepSeek-R1's templates
 
 
 def think_token_ids(tokenizer) -> tuple[int, int] | None:
