@@ -19,12 +19,13 @@ rule evaluate_offline:
         trust=trust_flag(),
         draft=lambda wc, input: os.path.dirname(input.draft),
         k=config["evaluate"]["k"] or config["train"]["ttt_steps"],
+        buckets=config["evaluate"]["context_buckets"],
         code=code_digest("evaluate"),
     shell:
         f"{STAGE}.evaluate "
         "--draft {params.draft} --manifest {input.manifest} "
         "--split eval --model {params.model} {params.trust} --k {params.k} "
-        "--out {output} > {log} 2>&1"
+        "--context-buckets {params.buckets} --out {output} > {log} 2>&1"
 
 
 rule plot_report:

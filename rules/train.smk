@@ -31,6 +31,8 @@ rule train_draft:
         ckpt_every=config["train"]["checkpoint_every"],
         loss=config["train"]["loss"],
         seed=config["train"]["seed"],
+        buckets=config["evaluate"]["context_buckets"],
+        select_by=config["evaluate"]["select_by"],
         draft=f"--draft-architecture {config['draft']['architecture']}"
         + (
             f" --draft-mlp-width {config['draft']['mlp_width']}"
@@ -51,4 +53,5 @@ rule train_draft:
         "--lr {params.lr} --weight-decay {params.wd} --warmup-steps {params.warmup} "
         "--max-steps {params.steps} --batch-tokens {params.batch_tokens} "
         "--eval-every {params.eval_every} --checkpoint-every {params.ckpt_every} "
-        "--loss {params.loss} --seed {params.seed} {params.draft} > {log} 2>&1"
+        "--loss {params.loss} --seed {params.seed} {params.draft} "
+        "--context-buckets {params.buckets} --select-by {params.select_by:q} > {log} 2>&1"

@@ -1,5 +1,6 @@
 """The offline acceptance-length estimator: chain logic on hand-built cases, batch-size invariance,
-and the TTT/target alignment on real tiny-target shards (an off-by-one cannot reach accuracy 1)."""
+the TTT/target alignment on real tiny-target shards (an off-by-one cannot reach accuracy 1), and the
+strata (labels on hand-built rows, sums back to the overall counts, best-checkpoint selection)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import pytest
 import torch
 from test_packed_data import make_run
 
-from eaglepipe.acceptance import add_counts, anchor_tensors, chain_counts, evaluate_rows, summarize
+from eaglepipe.acceptance import (CHAIN_KEYS, Strata, add_counts, anchor_tensors, chain_counts, check_select_by,
+                                  eval_metrics, evaluate_rows, load_strata, select_value, strata_counts,
+                                  stratum_labels, summarize, summarize_strata)
 
 B = torch.tensor
 
@@ -97,6 +100,77 @@ class Oracle(torch.nn.Module):
         return tokens, loss, metrics
 
 
+def test_stratum_labels_on_hand_built_row():
+    # two documents and a pad; <think> = 7, </think> = 8
+    ids = B([1, 7, 2, 3, 8, 4, 5, 7, 6, 1, 2, 0])
+    mask = B([0, 1, 1, 0, 1, 1, 0, 0, 1, 0, 1, 0])
+    doc = B([0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, -1])
+    pos = B([1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 0])
+    labels = stratum_labels(Strata((2, 4), think_ids=(7, 8), max_turn=3), ids, mask, doc, pos)
+    # prefix length <= 2, <= 4, > 4: the edges fall in the lower bucket
+    assert labels["context"].tolist() == [0, 0, 1, 1, 2, 2, 0, 0, 1, 1, 2, 0]
+    # doc 0: turn 1 at 1-2, turn 2 from 4 on; doc 1 counts again from 1; positions before a turn get the first
+    assert labels["turn"].tolist() == [0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 1, 0]  # the pad is no turn's
+    # inside from the <think> token up to (not including) </think>; a new document starts outside
+    assert labels["thinking"].tolist() == [0, 1, 1, 1, 0, 0, 0, 1, 1, 1, 1, 0]
+
+
+def test_turns_past_max_turn_share_a_label():
+    mask = B([1, 0, 1, 0, 1, 0, 1, 0, 1])
+    z = torch.zeros(9, dtype=torch.long)
+    labels = stratum_labels(Strata((4,), max_turn=3), z, mask, z, torch.arange(1, 10))
+    assert labels["turn"].tolist() == [0, 0, 1, 1, 2, 2, 2, 2, 2]
+    assert "thinking" not in labels and Strata((4,), max_turn=3).labels()["turn"] == ["1", "2", ">=3"]
+
+
+def test_strata_sum_back_to_overall():
+    g = torch.Generator().manual_seed(1)
+    T = 97
+    hit, evaluable = torch.rand(T, 3, generator=g) < 0.7, torch.rand(T, 3, generator=g) < 0.9
+    valid = evaluable | (torch.rand(T, 3, generator=g) < 0.5)
+    strata = Strata((8, 30), think_ids=(5, 6))
+    ids = torch.randint(0, 10, (T,), generator=g)
+    mask = (torch.rand(T, generator=g) < 0.6).long()
+    doc = torch.repeat_interleave(torch.arange(3), B([40, 40, 17]))
+    pos = torch.cat([torch.arange(1, 41), torch.arange(1, 41), torch.arange(1, 18)])
+    overall = chain_counts(hit, evaluable, valid)
+    by = strata_counts(hit, evaluable, valid, stratum_labels(strata, ids, mask, doc, pos), strata)
+    for name, labels in strata.labels().items():
+        assert by[f"{name}/anchors"].shape == (len(labels),)
+        for key in CHAIN_KEYS:
+            assert torch.equal(by[f"{name}/{key}"].sum(0), overall[key]), (name, key)
+    summary = summarize_strata(by, strata)
+    assert sum(s["anchors"] for s in summary["context"].values()) == int(overall["anchors"]) > 0
+    assert set(summary["thinking"]) == {"outside", "inside"}
+
+
+def test_select_by():
+    strata = Strata((512, 2048))
+    ev = {"acceptance_length": 2.0, "strata": {"context": {"<=512": {"acceptance_length": 2.5},
+                                                           ">2048": {"acceptance_length": None}}}}
+    assert select_value(ev, "overall") == 2.0
+    assert select_value(ev, "context:<=512") == 2.5 and select_value(ev, "context:>2048") == 0.0
+    check_select_by("context:>2048", strata)
+    with pytest.raises(SystemExit, match=r"'thinking:inside'.*one of overall, context:<=512"):
+        check_select_by("thinking:inside", strata)  # no thinking tags in this target
+    with pytest.raises(SystemExit, match="'context:<=1024'"):
+        check_select_by("context:<=1024", strata)
+
+
+def test_thinking_stratum_from_the_targets_tokenizer(tiny_llama, tmp_path):
+    from tiny import FAMILIES, make_tokenizer
+    from transformers import AutoTokenizer
+
+    make_tokenizer(tmp_path / "qwen3", **FAMILIES["qwen3"])
+    tok = AutoTokenizer.from_pretrained(tmp_path / "qwen3")
+    strata = load_strata(str(tmp_path / "qwen3"), [512, 2048])
+    assert strata.think_ids == tuple(tok.convert_tokens_to_ids(["<think>", "</think>"]))
+    assert list(strata.labels()) == ["context", "turn", "thinking"]
+    assert load_strata(str(tiny_llama), [512]).think_ids is None  # plain ChatML tokenizer: no such tokens
+    with pytest.raises(SystemExit, match=r"--context-buckets \[512, 512\]: need positive, strictly ascending"):
+        load_strata(str(tiny_llama), [512, 512])
+
+
 def test_ttt_alignment_oracle_reaches_accuracy_one(tiny_llama, tmp_path):
     from speculators.losses import resolve_loss_config
 
@@ -122,6 +196,14 @@ def test_ttt_alignment_oracle_reaches_accuracy_one(tiny_llama, tmp_path):
     assert 3.0 < right["acceptance_length"] <= 4.0
     assert run_eval(shift=1, batch_tokens=400) == right  # packing does not change the estimate
     assert run_eval(shift=1, pad_to=128) == right  # nor do the pads that GPU rows get
+    strata = Strata((8, 16))
+    rows = PackedRows(manifest, "eval", 64, shuffle=False).once()
+    counts = evaluate_rows(Oracle(draft, t2d_index, 1), rows, head, 3, loss, strata=strata)
+    by = eval_metrics(counts, strata)
+    assert {k: by[k] for k in right} == right  # the strata leave the overall figures as they were
+    for name in ("context", "turn"):
+        assert sum(s["anchors"] for s in by["strata"][name].values()) == right["anchors"]
+    assert by["strata"]["context"][">16"]["anchors"] > 0 and by["strata"]["context"]["<=8"]["anchors"] > 0
     for wrong in (0, 2):
         off = run_eval(shift=wrong)
         assert max(off["accuracy_per_position"]) < 0.5, (wrong, off)

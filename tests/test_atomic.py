@@ -40,3 +40,16 @@ def test_atomic_path_failure_writes_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
     (tmp_path / ".tmp-x.json.abc").write_text("left by a kill -9")
     assert remove_stale_temporaries(tmp_path) == 1
+
+
+def test_atomic_dir_removes_what_a_killed_write_of_the_same_path_left(tmp_path):
+    out = tmp_path / "draft"
+    killed_tmp, killed_old = tmp_path / ".tmp-draft.abc123", tmp_path / ".tmp-old-draft.def456"
+    (killed_old / "draft").mkdir(parents=True)
+    killed_tmp.mkdir()
+    (killed_tmp / "model.safetensors").write_bytes(b"half")
+    other = tmp_path / ".tmp-draft2.xyz"  # another path's write in flight is left alone
+    other.mkdir()
+    with atomic_dir(out) as tmp:
+        (tmp / "config.json").write_text("{}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-draft2.xyz", "draft"]

@@ -39,6 +39,25 @@ def test_offline_json(tiny_llama, tmp_path):
     assert res["anchors"] == scored and res["chains_cut"] == 0
     assert res["tokens_evaluated"] == sum(len(s["input_ids"]) - 1 for s in run["eval"])
     assert 1.0 <= res["acceptance_length"] <= 3.0
+    # by stratum: the tiny tokenizer has no <think> token, so no thinking stratum
+    assert set(res["strata"]) == {"context", "turn"}
+    assert list(res["strata"]["context"]) == ["<=512", "<=2048", "<=8192", ">8192"]
+    for name, by_label in res["strata"].items():
+        assert sum(s["anchors"] for s in by_label.values()) == res["anchors"], name
+        assert all(len(s["per_position_acceptance"]) == 2 for s in by_label.values())
+
+
+def test_context_buckets_flag(tiny_llama, tmp_path):
+    run = make_run(tmp_path, tiny_llama, n_train=2)
+    draft = export_like(tiny_llama, run, tmp_path / "draft")
+    out = tmp_path / "offline.json"
+    args = ["--draft", str(draft), "--manifest", str(run["manifest"]), "--model", str(tiny_llama), "--k", "2",
+            "--out", str(out), "--context-buckets"]
+    evaluate.main(args + ["4", "16"])
+    by_context = json.loads(out.read_text())["strata"]["context"]
+    assert list(by_context) == ["<=4", "<=16", ">16"] and all(s["anchors"] for s in by_context.values())
+    with pytest.raises(SystemExit, match=r"--context-buckets \[16, 4\]: need positive, strictly ascending"):
+        evaluate.main(args + ["16", "4"])
 
 
 def test_aux_ids_must_match_manifest(tiny_llama, tmp_path):
@@ -47,3 +66,18 @@ def test_aux_ids_must_match_manifest(tiny_llama, tmp_path):
     with pytest.raises(SystemExit, match=r"eagle_aux_hidden_state_layer_ids \[2, 3, 5\] differ"):
         evaluate.main(["--draft", str(draft), "--manifest", str(run["manifest"]), "--model", str(tiny_llama),
                        "--k", "2", "--out", str(tmp_path / "o.json")])
+
+
+def test_stratum_config_reaches_both_clis(tmp_path):
+    """evaluate.context_buckets and evaluate.select_by in the planned commands of `snakemake -n -p`."""
+    from workflow import copy_workflow, snakemake
+
+    ws = copy_workflow(tmp_path)
+    p = snakemake(ws, "-n", "-p", "--config", 'evaluate={"context_buckets": [256, 4096], "select_by": "context:>4096"}')
+    lines = p.stdout.splitlines()
+    offline = next(line for line in lines if "eaglepipe.evaluate " in line and "offline.json" in line)
+    train = next(line for line in lines if "eaglepipe.train_draft " in line)
+    assert "--context-buckets 256 4096 --out" in offline
+    assert "--context-buckets 256 4096 --select-by 'context:>4096'" in train
+    bad = snakemake(ws, "-n", "--config", 'evaluate={"select_by": "length:>4096"}', check=False)
+    assert bad.returncode != 0 and "select_by" in bad.stdout + bad.stderr

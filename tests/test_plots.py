@@ -33,7 +33,10 @@ def full_set():
                 "splits": {"train": {"samples": 85, "tokens": 20000, "bytes": 20000 * 512},
                            "eval": {"samples": 5, "tokens": 1000, "bytes": 1000 * 512}},
                 "throughput": {"tokens": 21000, "seconds": 7.0, "tokens_per_s": 3000.0, "model_load_s": 1.5}}
-    offline = {"acceptance_length": 1.93, "k": 3}
+    offline = {"acceptance_length": 1.93, "k": 3,
+               "strata": {"context": {"<=512": {"acceptance_length": 2.31, "anchors": 1200},
+                                      "<=2048": {"acceptance_length": 1.87, "anchors": 800},
+                                      ">2048": {"acceptance_length": None, "anchors": 0}}}}
     return rows, stats, manifest, offline
 
 
@@ -71,6 +74,10 @@ def test_figures_as_png(tmp_path):
             labels = [t.get_text() for t in fig.axes[1].get_legend().get_texts()]
             assert labels == ["draft token 1", "draft token 2", "draft token 3"]
             assert "exported draft: 1.93" in [t.get_text() for t in fig.axes[2].get_legend().get_texts()]
+            assert [t.get_text() for t in fig.axes[3].get_xticklabels()] == ["<=512", "<=2048", ">2048"]
+            assert [t.get_text() for t in fig.axes[3].texts] == ["2.31\n1,200 anchors", "1.87\n800 anchors",
+                                                                 "no anchors"]
+            assert [round(b.get_height(), 2) for b in fig.axes[3].patches] == [2.31, 1.87, 0.0]
         else:
             assert "Conversations (100 read)" in texts
             assert "3,000 tokens/s over 7.0 s" in fig.get_suptitle()
@@ -88,6 +95,7 @@ def test_missing_optional_keys(tmp_path):
 
     fig = plots.training_figure([], {})
     assert [t.get_text() for t in fig.axes[2].texts] == ["no acceptance length recorded"]
+    assert [t.get_text() for t in fig.axes[3].texts] == ["no AL by context length recorded"]
     fig = plots.data_figure({"kept": 5, "skipped": 2}, manifest)
     assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == ["kept", "skipped: total"]
 

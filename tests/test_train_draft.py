@@ -14,7 +14,7 @@ from test_packed_data import make_run
 from eaglepipe import train_draft
 
 SUMMARY_KEYS = {"best", "last", "steps", "best_eval", "last_eval", "layer_ids", "aux_layer_ids", "target_model",
-                "draft_vocab_size", "ttt_steps", "train_tokens", "metrics"}
+                "draft_vocab_size", "ttt_steps", "train_tokens", "metrics", "best_selected_by"}
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +88,10 @@ def test_cli_outputs_and_summary(run, tmp_path):
     rows = metrics_rows(out)
     evals = [r for r in rows if r["split"] == "eval"]
     assert [r["step"] for r in evals] == [0, 2, 3, 4, 6]  # untrained draft, every 3, every checkpoint, the end
+    assert summary["best_selected_by"] == "overall"
+    for r in evals:  # every eval is also reported by stratum, and the strata add up
+        for name in ("context", "turn"):
+            assert sum(s["anchors"] for s in r["strata"][name].values()) == r["anchors"], (r["step"], name)
     train_rows = [r for r in rows if r["split"] == "train"]
     assert [r["step"] for r in train_rows] == list(range(1, 7))
     assert {"loss", "lr", "tokens_per_s", "acc_0", "acc_2"} <= set(train_rows[0])
@@ -139,6 +143,20 @@ def test_changed_setting_starts_fresh_and_incomplete_checkpoint_is_ignored(run, 
     assert "starting fresh" in caplog.text and "other settings" in caplog.text
     assert [r["step"] for r in metrics_rows(out) if r["split"] == "eval"][0] == 0
     assert json.loads((out / "summary.json").read_text())["steps"] == 4
+
+
+def test_best_checkpoint_chosen_by_a_stratum(run, tmp_path):
+    out = tmp_path / "train"
+    summary = train_draft.train(train_draft.parse_args(argv(run, out, context_buckets=8, select_by="context:>8")))
+    assert summary["best_selected_by"] == "context:>8"
+    evals = {r["step"]: r for r in metrics_rows(out) if r["split"] == "eval" and r["step"] in (2, 4, 6)}
+    chosen = [evals[s]["strata"]["context"][">8"]["acceptance_length"] for s in (2, 4, 6)]
+    best_step = int(summary["best"].rsplit("-", 1)[1])
+    assert evals[best_step]["strata"]["context"][">8"]["acceptance_length"] == max(chosen)
+    assert summary["best_eval"]["strata"]["context"][">8"]["anchors"] > 0
+    with pytest.raises(SystemExit, match=r"--select-by 'context:>9'.*context:<=8"):
+        train_draft.train(train_draft.parse_args(argv(run, tmp_path / "bad", context_buckets=8,
+                                                      select_by="context:>9")))
 
 
 def test_bad_flags_and_inputs_are_clear_errors(run, tmp_path):

@@ -177,6 +177,8 @@ def test_kimi_preset_dry_run_plans_one_tp8_vllm_job(tmp_path):
     assert "build_target" not in out  # a hub model is not built
     card = out[out.index("rule model_card:"):]
     assert "--tensor-parallel-size 8 --trust-remote-code" in card[: card.index("\n\n")]
+    train = out[out.index("rule train_draft:"):]
+    assert "--draft-architecture mla" in train[: train.index("\n\n")]  # an MLA target gets an MLA draft
 
 
 def plan(ws: Path, *args: str) -> str:

@@ -9,9 +9,15 @@ conditional estimate; with greedy-regenerated data it never stops early).
 
 The chain logic works on [anchors, K] boolean tensors and returns raw counts, summed over rows
 and ranks before any ratio is taken, so the result does not depend on how rows are batched.
+
+The same counts are kept per stratum of the anchor (``Strata``): context length of its prefix,
+assistant turn, inside or outside a thinking block. Every position has exactly one label per
+stratum, so each stratum's counts add up to the overall ones.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -46,6 +52,9 @@ def chain_counts(hit: torch.Tensor, evaluable: torch.Tensor, valid: torch.Tensor
         "valid": valid.sum(dim=0),
         "valid_hit": (valid & hit).sum(dim=0),
     }
+
+
+CHAIN_KEYS = ("anchors", "accepted", "chains_cut", "reach", "reach_hit", "valid", "valid_hit")
 
 
 def add_counts(total: dict | None, counts: dict) -> dict:
@@ -116,6 +125,126 @@ def greedy_tokens(model, final_states: torch.Tensor, head: torch.Tensor, scored:
     return out
 
 
+@dataclass(frozen=True)
+class Strata:
+    """How anchors are split. ``context_buckets``: ascending upper bounds (inclusive) of the prefix
+    length, one more bucket past the last; ``think_ids``: the target's (open, close) thinking-tag
+    token ids, None when its tokenizer has none (no thinking stratum then)."""
+    context_buckets: tuple[int, ...] = (512, 2048, 8192)
+    think_ids: tuple[int, int] | None = None
+    max_turn: int = 4  # turns from this one on share a label (fixed sizes so ranks can all-reduce)
+
+    def labels(self) -> dict[str, list[str]]:
+        b = self.context_buckets
+        out = {"context": [f"<={n}" for n in b] + [f">{b[-1]}"],
+               "turn": [str(i + 1) for i in range(self.max_turn - 1)] + [f">={self.max_turn}"]}
+        if self.think_ids is not None:
+            out["thinking"] = ["outside", "inside"]
+        return out
+
+
+def add_strata_arguments(p) -> None:
+    """The stratum flags the evaluate and train_draft CLIs share."""
+    p.add_argument("--context-buckets", type=int, nargs="+", default=list(Strata.context_buckets), metavar="TOKENS",
+                   help="ascending upper bounds of the prefix-length buckets AL is reported by")
+
+
+def load_strata(model_dir: str, context_buckets: list[int], trust_remote_code: bool = False) -> Strata:
+    """Strata for a target: the thinking stratum when its tokenizer has THINK_TAGS as tokens."""
+    from transformers import AutoTokenizer
+
+    ascending = all(b > a for a, b in zip(context_buckets, context_buckets[1:]))
+    if not context_buckets or not ascending or context_buckets[0] < 1:
+        raise SystemExit(f"--context-buckets {context_buckets}: need positive, strictly ascending token counts")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    return Strata(tuple(context_buckets), think_token_ids(tokenizer))
+
+
+THINK_TAGS = ("<think>", "</think>")  # the reasoning delimiters of Qwen3's and DeepSeek-R1's templates
+
+
+def think_token_ids(tokenizer) -> tuple[int, int] | None:
+    """The (open, close) ids of THINK_TAGS when both are single tokens of the tokenizer, else None."""
+    vocab = tokenizer.get_vocab()
+    return (vocab[THINK_TAGS[0]], vocab[THINK_TAGS[1]]) if all(t in vocab for t in THINK_TAGS) else None
+
+
+def stratum_labels(strata: Strata, input_ids: torch.Tensor, loss_mask: torch.Tensor, document_ids: torch.Tensor,
+                   position_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """[T] label index per stratum for the anchors of one shifted row.
+
+    Anchor t drafts x_{t+2} after the prefix x_1..x_{t+1}: its context length is position_ids[t]
+    (which counts from 1 in every sample). Its turn is the number of scored runs (assistant turns)
+    of its document that started at or before t. It is inside a thinking block when the last
+    thinking tag of its document at or before t (input_ids[t] = x_{t+1}) opens one.
+    """
+    T = input_ids.shape[0]
+    edges = torch.tensor(strata.context_buckets, dtype=torch.long, device=input_ids.device)
+    out = {"context": torch.bucketize(position_ids.long(), edges)}  # <= edge i -> i
+    mask, doc = loss_mask.bool(), document_ids.long()
+    first = torch.ones(T, dtype=torch.bool, device=input_ids.device)
+    first[1:] = doc[1:] != doc[:-1]  # a document's first position
+    prev_mask = torch.cat([mask.new_zeros(1), mask[:-1]])
+    run_start = (mask & (first | ~prev_mask)).long()
+    runs = run_start.cumsum(0)
+    # runs started before each document: non-decreasing over documents, so cummax carries it along
+    doc_base = torch.cummax(torch.where(first, runs - run_start, 0), 0).values
+    out["turn"] = (runs - doc_base - 1).clamp(0, strata.max_turn - 1)
+    if strata.think_ids is not None:
+        open_id, close_id = strata.think_ids
+        tag = torch.where(input_ids == open_id, 1, torch.where(input_ids == close_id, 0, -1))
+        tag = torch.where(first & (tag < 0), 0, tag)  # a document starts outside
+        idx = torch.where(tag >= 0, torch.arange(T, device=input_ids.device), 0)
+        out["thinking"] = tag[torch.cummax(idx, 0).values]
+    return out
+
+
+def strata_counts(hit: torch.Tensor, evaluable: torch.Tensor, valid: torch.Tensor, labels: dict[str, torch.Tensor],
+                  strata: Strata) -> dict[str, torch.Tensor]:
+    """``chain_counts`` per label, flat keys ``"<stratum>/<count>"`` of shape [labels, ...]. A row of
+    another label is masked out of ``evaluable`` and ``valid``, which leaves it out of every count
+    (no boolean indexing: nothing waits on the GPU)."""
+    out = {}
+    for name, names in strata.labels().items():
+        per = [chain_counts(hit, evaluable & sel, valid & sel)
+               for sel in ((labels[name] == i).unsqueeze(1) for i in range(len(names)))]
+        for key in per[0]:
+            out[f"{name}/{key}"] = torch.stack([c[key] for c in per])
+    return out
+
+
+def summarize_strata(counts: dict, strata: Strata) -> dict:
+    """{stratum: {label: summarize() without the convention texts}} from summed counts."""
+    out = {}
+    for name, names in strata.labels().items():
+        out[name] = {}
+        for i, label in enumerate(names):
+            s = summarize({key: counts[f"{name}/{key}"][i] for key in CHAIN_KEYS})
+            out[name][label] = {k: v for k, v in s.items() if k not in ("convention", "reference")}
+    return out
+
+
+OVERALL = "overall"
+
+
+def check_select_by(select_by: str, strata: Strata) -> None:
+    """``overall`` or ``<stratum>:<label>`` naming one of ``strata``'s labels."""
+    if select_by == OVERALL:
+        return
+    name, _, label = select_by.partition(":")
+    if label not in strata.labels().get(name, ()):
+        choices = [OVERALL] + [f"{n}:{lab}" for n, labs in strata.labels().items() for lab in labs]
+        raise SystemExit(f"--select-by {select_by!r}: not a stratum of this run; one of {', '.join(choices)}")
+
+
+def select_value(ev: dict, select_by: str) -> float:
+    """The eval AL the best checkpoint is chosen by (``check_select_by``); no anchors there counts as 0."""
+    if select_by == OVERALL:
+        return ev["acceptance_length"] or 0.0
+    name, _, label = select_by.partition(":")
+    return ev["strata"][name][label]["acceptance_length"] or 0.0
+
+
 ROW_KEYS = ("hidden_states", "input_ids", "document_ids", "loss_mask", "position_ids", "verifier_last_hidden_states")
 
 
@@ -177,9 +306,10 @@ def walk_counts(hit: torch.Tensor, evaluable: torch.Tensor, valid: torch.Tensor,
 
 @torch.no_grad()
 def evaluate_rows(model, rows, head: torch.Tensor, k: int, loss_config, ttt_step_loss_decay: float = 1.0,
-                  device: torch.device | str = "cpu") -> dict:
-    """Summed counts over rows: chain counts, tokens, and speculators' loss and per-step accuracy
-    (its ``full_acc_k``: steps 0..k all correct over scored tokens, teacher-forced, draft vocabulary)."""
+                  device: torch.device | str = "cpu", strata: Strata | None = None) -> dict:
+    """Summed counts over rows: chain counts (also per stratum with ``strata``), tokens, and
+    speculators' loss and per-step accuracy (its ``full_acc_k``: steps 0..k all correct over scored
+    tokens, teacher-forced, draft vocabulary)."""
     was_training = model.training
     model.eval()
     total = None
@@ -187,6 +317,10 @@ def evaluate_rows(model, rows, head: torch.Tensor, k: int, loss_config, ttt_step
         b = {key: batch[key].to(device) for key in ROW_KEYS}
         hit, evaluable, valid, loss, metrics = row_chains(model, b, head, k, loss_config, ttt_step_loss_decay)
         counts = chain_counts(hit, evaluable, valid)
+        if strata is not None:
+            labels = stratum_labels(strata, b["input_ids"][0], b["loss_mask"][0], b["document_ids"][0],
+                                    b["position_ids"][0])
+            counts.update(strata_counts(hit, evaluable, valid, labels, strata))
         scored = b["loss_mask"].sum().double()
         counts["tokens"] = torch.tensor(b["input_ids"].shape[1], dtype=torch.long, device=device)
         counts["loss_weighted"] = loss.detach().double() * scored
@@ -217,9 +351,11 @@ def replay_walk(model, rows, head: torch.Tensor, k: int, loss_config, device: to
     return total
 
 
-def eval_metrics(counts: dict) -> dict:
+def eval_metrics(counts: dict, strata: Strata | None = None) -> dict:
     """Everything a report needs from summed ``evaluate_rows`` counts."""
     out = summarize(counts)
+    if strata is not None:
+        out["strata"] = summarize_strata(counts, strata)
     out["tokens_evaluated"] = int(counts["tokens"])
     w = float(counts["loss_weight"])
     out["loss"] = round(float(counts["loss_weighted"]) / w, 6) if w else None

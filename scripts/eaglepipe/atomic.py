@@ -38,6 +38,11 @@ def atomic_dir(path: str | os.PathLike):
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    # A kill -9 skips the cleanup in `finally`: the next write of the same path removes what the
+    # killed one left (one writer per path: Snakemake's lock and ours per stage directory).
+    for leftover in [*path.parent.glob(f".tmp-{path.name}.*"), *path.parent.glob(f".tmp-old-{path.name}.*")]:
+        if leftover.is_dir():
+            shutil.rmtree(leftover)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{path.name}.", dir=path.parent))
     old = None
     try:

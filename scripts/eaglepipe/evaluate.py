@@ -1,5 +1,6 @@
 """Offline evaluation of an exported draft (``rule evaluate_offline``): acceptance length by greedy
-chain replay on held-out hidden-state shards (acceptance.py), written to ``offline.json``.
+chain replay on held-out hidden-state shards (acceptance.py), written to ``offline.json``: overall
+and by stratum (context length, assistant turn, inside/outside thinking; ``strata``).
 
 With ``--parity serving.json`` (``rule evaluate_parity``) the shards hold the sequences vLLM produced
 in the serving benchmark's parity window instead; the replay follows vLLM's drafting positions on them
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from .acceptance import add_strata_arguments
 from .atomic import read_json_object, write_json
 from .layers import aux_layer_ids
 from .packed_data import PackedRows
@@ -38,6 +40,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="compare with the counters of benchmark_serving's parity window instead")
     p.add_argument("--parity-z", type=float, default=3.0, help="standard errors the parity tolerance allows")
     p.add_argument("--out", required=True)
+    add_strata_arguments(p)
     args = p.parse_args(argv)
     if args.k < 1:
         p.error(f"--k {args.k}: must be >= 1")
@@ -50,7 +53,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     from speculators.losses import resolve_loss_config
 
-    from .acceptance import eval_metrics, evaluate_rows
+    from .acceptance import eval_metrics, evaluate_rows, load_strata
     from .draft_model import LOSS_IMPLEMENTATION, load_draft, load_target_head, row_length
     from .runtime import set_threads
 
@@ -73,13 +76,17 @@ def main(argv=None) -> None:
     if args.parity:
         run_parity(args, served, model, rows, head, loss_config, device)
         return
-    counts = evaluate_rows(model, rows, head, args.k, loss_config, device=device)
-    result = eval_metrics(counts)
+    strata = load_strata(args.model, args.context_buckets, args.trust_remote_code)
+    counts = evaluate_rows(model, rows, head, args.k, loss_config, device=device, strata=strata)
+    result = eval_metrics(counts, strata)
     result.update(split=args.split, draft=str(Path(args.draft)), manifest=str(Path(args.manifest)),
                   target_model=str(args.model))
     write_json(args.out, result)
     log.info("acceptance length %s (k=%d) over %d anchors; per-position acceptance %s",
              result["acceptance_length"], args.k, result["anchors"], result["per_position_acceptance"])
+    for name, by_label in result["strata"].items():
+        shown = (f"{label} {s['acceptance_length']} ({s['anchors']} anchors)" for label, s in by_label.items())
+        log.info("acceptance length by %s: %s", name, ", ".join(shown))
 
 
 def parity_run(path: str, k: int) -> dict:

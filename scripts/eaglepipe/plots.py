@@ -76,7 +76,7 @@ def _empty(ax, what: str) -> None:
 def training_figure(rows: list[dict], offline: dict) -> Figure:
     train = [r for r in rows if r.get("split", "train") == "train"]
     evals = [r for r in rows if r.get("split") == "eval"]
-    fig, (ax_loss, ax_acc, ax_al) = plt.subplots(1, 3, figsize=(15, 4.2), layout="constrained")
+    fig, (ax_loss, ax_acc, ax_al, ax_ctx) = plt.subplots(1, 4, figsize=(20, 4.2), layout="constrained")
 
     x, y = series(train, "loss")
     if x:
@@ -116,7 +116,30 @@ def training_figure(rows: list[dict], offline: dict) -> Figure:
     k = offline.get("k")
     ax_al.set(title="Acceptance length" + (f" (K={k}, bonus token counted)" if k else ""),
               xlabel="optimizer step", ylabel="tokens per target step")
+    context_panel(ax_ctx, offline)
     return fig
+
+
+def context_panel(ax, offline: dict) -> None:
+    """The exported draft's AL per prefix-length bucket (offline.json ``strata.context``), each bar
+    labelled with its AL and anchors; a bucket without anchors is shown empty."""
+    buckets = (offline.get("strata") or {}).get("context")
+    if not isinstance(buckets, dict) or not buckets:
+        _empty(ax, "AL by context length")
+    else:
+        labels = list(buckets)
+        al = [b.get("acceptance_length") if isinstance(b, dict) else None for b in buckets.values()]
+        anchors = [b.get("anchors", 0) if isinstance(b, dict) else 0 for b in buckets.values()]
+        bars = ax.bar(range(len(labels)), [a if _num(a) else 0 for a in al], color="C2")
+        for bar, a, n in zip(bars, al, anchors, strict=True):
+            text = f"{a:.2f}\n{n:,} anchors" if _num(a) else "no anchors"
+            ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
+                        textcoords="offset points", xytext=(0, 3), fontsize=8)
+        ax.set_xticks(range(len(labels)), labels)
+        ax.axhline(1.0, color="grey", lw=0.8, ls=":")
+        ax.set_ylim(0, max([a for a in al if _num(a)], default=1.0) * 1.25)
+    ax.set(title="Acceptance length by context length (exported draft)", xlabel="prefix tokens at the anchor",
+           ylabel="tokens per target step")
 
 
 def skip_reasons(stats: dict) -> dict:

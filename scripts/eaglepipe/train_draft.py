@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from . import checkpoints
+from .acceptance import OVERALL, add_strata_arguments
 from .atomic import atomic_path, sha256_file, write_json
 from .dir_lock import dir_lock
 from .draft_model import ARCHITECTURES, LOSS_IMPLEMENTATION
@@ -60,6 +61,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--checkpoint-every", type=int, default=200)
     p.add_argument("--loss", default="kl_div", help="a speculators loss name (kl_div, ce, ...) or a JSON mix")
     p.add_argument("--seed", type=int, default=0)
+    add_strata_arguments(p)
+    p.add_argument("--select-by", default=OVERALL,
+                   help="eval AL the best checkpoint is chosen by: overall or <stratum>:<label> (e.g. context:<=2048)")
     args = p.parse_args(argv)
     for name in ("ttt_steps", "max_steps", "batch_tokens", "eval_every", "checkpoint_every"):
         if getattr(args, name) < 1:
@@ -117,7 +121,7 @@ def train(args, stop_after: int | None = None) -> dict | None:
     (the test's stand-in for a killed job)."""
     from speculators.losses import resolve_loss_config
 
-    from .acceptance import eval_metrics, evaluate_rows
+    from .acceptance import check_select_by, eval_metrics, evaluate_rows, load_strata, select_value
     from .draft_model import build_draft, load_target_head, row_length
 
     threads = set_threads()
@@ -153,6 +157,8 @@ def train(args, stop_after: int | None = None) -> dict | None:
     scheduler = get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, args.max_steps)
     loss_config = resolve_loss_config(args.loss, LOSS_IMPLEMENTATION)
     head = load_target_head(args.model).to(device)
+    strata = load_strata(args.model, args.context_buckets, args.trust_remote_code)
+    check_select_by(args.select_by, strata)
 
     # resume: rank 0 decides (and clears checkpoints of other settings) before the others look
     resume = checkpoints.find_resume(out, digest) if main_rank else None
@@ -192,8 +198,8 @@ def train(args, stop_after: int | None = None) -> dict | None:
         rows = PackedRows(manifest, "eval", args.batch_tokens, shuffle=False, rank=rank, world_size=world,
                           pad_to=row_length(device, args.batch_tokens)).once()
         counts = all_reduce(evaluate_rows(model, rows, head, args.ttt_steps, loss_config,
-                                          args.ttt_step_loss_decay, device), world)
-        ev = eval_metrics(counts)
+                                          args.ttt_step_loss_decay, device, strata), world)
+        ev = eval_metrics(counts, strata)
         row = {"step": at_step, "split": "eval", **{k: v for k, v in ev.items() if k not in ("convention", "reference")}}
         metrics.write(row)
         log.info("eval at step %d: acceptance length %s, per-position acceptance %s, loss %s", at_step,
@@ -248,10 +254,10 @@ def train(args, stop_after: int | None = None) -> dict | None:
                 window_start = time.perf_counter()  # evaluation time is not training throughput
                 model.train()
             if is_ckpt:
-                al = ev["acceptance_length"] or 0.0
+                al = select_value(ev, args.select_by)
                 is_best = best is None or al > best["acceptance_length"]
                 if is_best:
-                    best = {"step": step, "acceptance_length": al}
+                    best = {"step": step, "acceptance_length": al}  # the AL it was chosen by
                 if main_rank:
                     state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                              "position": list(position), "rng": rng_state(), "step": step, "world_size": world,
@@ -269,6 +275,7 @@ def train(args, stop_after: int | None = None) -> dict | None:
         "last": f"checkpoints/{checkpoints.step_name(step)}",
         "steps": step,
         "best_eval": evals[best["step"]],
+        "best_selected_by": args.select_by,
         "last_eval": evals[step],
         "layer_ids": layer_ids,
         "aux_layer_ids": aux_ids,
