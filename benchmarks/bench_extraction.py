@@ -34,11 +34,11 @@ import sys
 import time
 from pathlib import Path
 
-# before any vllm import (see shared/device/README.md pitfalls); nothing here touches CUDA
-os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+from eaglepipe.vllm_env import set_vllm_env_defaults  # noqa: E402
+
+set_vllm_env_defaults()  # before any vllm import; nothing here touches CUDA
 
 
 def prompts(data: Path) -> list[list[int]]:
@@ -180,7 +180,6 @@ def main() -> None:
     unknown = set(args.rows) - set(runs)
     if unknown:
         ap.error(f"--rows: unknown {sorted(unknown)}; known {list(runs)}")
-    sys.path.insert(0, str(REPO / "scripts"))
     from eaglepipe.extract_hidden_states import bytes_per_token
 
     hidden = json.loads((work / "model" / "config.json").read_text())["hidden_size"]

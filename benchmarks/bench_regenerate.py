@@ -17,15 +17,14 @@ Both count generated tokens (the stop token included). The row order alternates 
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-# before any vllm import (see shared/device/README.md pitfalls)
-os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+from eaglepipe.vllm_env import set_vllm_env_defaults
+
+set_vllm_env_defaults()  # before any vllm import
 
 from eaglepipe.chat_data import Chat  # noqa: E402
 from eaglepipe.chat_template import ChatTemplate  # noqa: E402

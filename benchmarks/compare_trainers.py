@@ -128,8 +128,9 @@ def speculators_epochs(train_lengths: list[int], batch_tokens: int, steps: int, 
 def speculators_argv(args, manifest: dict, data: Path, conv: dict, epochs: int) -> list[str]:
     """``speculators train`` flags for the draft our trainer builds (draft_model.NORM_FLAGS included)."""
     from eaglepipe.draft_model import NORM_FLAGS, NUM_DRAFT_LAYERS
+    from eaglepipe.layers import aux_layer_ids
 
-    aux = [str(int(i)) for i in manifest["layer_ids"][:-1]]
+    aux = [str(int(i)) for i in aux_layer_ids(manifest["layer_ids"])]
     work = Path(args.work) / "speculators"
     argv = [
         "--verifier-name-or-path", str(args.model), "--speculator-type", "eagle3",

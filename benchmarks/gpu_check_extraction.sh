@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# GPU check of the extraction stage (run on the H200 after shared/device/stage-vllm.sh's calls
-# installed vLLM 0.26.0 into /tmp/site), from the repository root:
+# GPU check of the extraction stage (run on the H200 after vLLM 0.26.0 was installed with
+# `pip install --target /tmp/site`), from the repository root:
 #   bash benchmarks/gpu_check_extraction.sh
 # For a random Llama (8 layers, hidden 1024) and a random DeepseekV3 (MLA + MoE, 4 layers) it
 # runs OUR CLI (python -m eaglepipe.extract_hidden_states) with --backend vllm and with

@@ -10,8 +10,8 @@
 #
 #   bash benchmarks/gpu_check_mla_draft.sh
 #
-# Needs vLLM 0.26.0 and speculators 0.9.0 importable: from $SITE (default /tmp/site; vLLM staged as
-# in shared/device/README.md section 1) or an environment set up by `gpu_pipeline.sh start`.
+# Needs vLLM 0.26.0 and speculators 0.9.0 importable: from $SITE (default /tmp/site, filled with
+# `pip install --target`) or an environment set up by `gpu_pipeline.sh start`.
 # Env: WORK (default /tmp/mla), OUT (default /tmp/out), STEPS (train steps, default 300), K (3).
 # Every step is skipped when its output exists: a call cut at its time limit continues when repeated.
 # Results in $OUT: summary.txt (steps, resolved architectures, vLLM vs offline acceptance),

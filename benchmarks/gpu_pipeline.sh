@@ -25,7 +25,7 @@ RUN=smollm2-h200
 STAGE=${STAGE_DIR:-/tmp/stage}  # where the earlier calls copied the parts
 LOG=results/gpu_pipeline.log
 PIDFILE=results/gpu_pipeline.pid
-# what the device image already has (shared/device/README.md §1): not transferred
+# what the H200 image already has (torch 2.11.0 and its CUDA libraries): not transferred
 ON_IMAGE='torch torchvision torchaudio triton nvidia-* cuda-*'
 
 stage() {

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Serving benchmark of an exported draft on the lent GPU machine: vLLM with the draft vs the target
-# alone (eaglepipe.benchmark_serving). vLLM 0.26.0 must be staged first into $SITE as described in
-# shared/device/README.md §1 (stage-vllm.sh; /tmp/site by default).
+# alone (eaglepipe.benchmark_serving). vLLM 0.26.0 must be installed first into $SITE
+# (`pip install --target`; /tmp/site by default).
 #
 #   bash benchmarks/gpu_serve_draft.sh TARGET_DIR DRAFT_DIR PROMPTS_JSONL [K_LIST] [NUM_PROMPTS] [MAX_TOKENS]
 #

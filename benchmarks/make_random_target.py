@@ -5,7 +5,7 @@
   python benchmarks/make_random_target.py --data-out DIR --n 256 --len 1024 [--n-eval 8] [--vocab 32000]
       (--len A-B draws each sample's length uniformly from A..B)
 
-The architectures are those of shared/device/hs_check.py `make` (the verified ones): llama =
+The architectures are those vLLM 0.26.0's extraction was verified on (benchmarks/README.md): llama =
 8 layers, hidden 1024; llama1b = 16 layers, hidden 2048 (~1.1B); dsv3 = DeepseekV3 in small (MLA
 + MoE, 4 layers, hidden 1024) with the routing keys of the real DeepSeek-V3 / Kimi-K2.5 config.
 Both modes can be given in one call. The data are {id, input_ids, loss_mask} JSONL (train.jsonl,

@@ -14,11 +14,10 @@ from test_packed_data import make_run
 
 from eaglepipe import evaluate
 from eaglepipe.acceptance import replay_walk, walk_counts
-from eaglepipe.draft_model import load_draft, load_target_head
+from eaglepipe.draft_model import LOSS_IMPLEMENTATION, load_draft, load_target_head
 from eaglepipe.packed_data import PackedRows
 from eaglepipe.parity import compare, report, tolerance
 from eaglepipe.shards import load_manifest
-from eaglepipe.train_draft import LOSS_IMPLEMENTATION
 
 
 def chains(T: int, K: int, hits: dict[int, list[int]], mask: list[int], doc: list[int], cut_at: dict[int, int] = None):

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from eaglepipe.layers import default_layer_ids
+from eaglepipe.layers import aux_layer_ids, default_layer_ids
 from eaglepipe.serving_limits import AUX_STATES, rope_error, servable_rope, yarn_attention_factors
 
 # Kimi-K2.5's text config rope (DeepseekV3 yarn), as speculators copies it into the draft's config.
@@ -58,10 +58,15 @@ def test_ropes_served_otherwise_are_refused(rope, message):
 @pytest.mark.parametrize("n", range(4, 70))
 def test_default_layer_ids_give_three_distinct_aux_ids(n):
     ids = default_layer_ids(n)
-    aux = ids[:-1]
+    aux = aux_layer_ids(ids)
     assert len(aux) == AUX_STATES and aux == sorted(set(aux)) and 1 <= aux[0] and aux[-1] < n and ids[-1] == n
     if n > 6:
         assert aux == [2, n // 2, n - 3]
+
+
+def test_aux_layer_ids_are_all_but_the_final_id():
+    assert aux_layer_ids([2, 30, 58, 61]) == [2, 30, 58]
+    assert aux_layer_ids([1]) == []
 
 
 def test_default_layer_ids_refuse_targets_too_small():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import subprocess
 import sys
@@ -116,6 +117,19 @@ def test_template_settings_rerun_from_tokenization(done_run):
     assert set(jobs) == STAGES
     jobs, _, _ = dry_run(done_run, "--config", 'data={"rerendered_turns": "context"}')
     assert set(jobs) == STAGES
+
+
+def test_a_changed_data_stats_file_reruns_the_rules_that_read_it(done_run):
+    stats = done_run / "results" / "tiny" / "data" / "stats.json"
+    original, times = stats.read_text(), stats.stat()
+    try:
+        stats.write_text(original.replace("{", '{"edited": true, ', 1))
+        jobs, reasons, _ = dry_run(done_run)
+        assert set(jobs) == {"plot_report", "model_card", "all"}
+        assert {"plot_report", "model_card"} <= set(reasons["updated input files"])
+    finally:
+        stats.write_text(original)
+        os.utime(stats, ns=(times.st_atime_ns, times.st_mtime_ns))
 
 
 def test_code_edit_reruns_that_stage_and_its_dependants(done_run):

@@ -35,10 +35,8 @@ from pathlib import Path
 from .atomic import atomic_path, write_json
 from .serving_sweep import (CONVENTION, counter_delta, explain_divergences, parity_samples, recommend,
                             spec_counters, sweep_rows, window_done)
+from .vllm_env import set_vllm_env_defaults
 
-# Verified on the H200 with vLLM 0.26.0 (shared/device/README.md): flashinfer is not installed
-# there, and a parent that touched CUDA breaks forked workers.
-ENV_DEFAULTS = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
 ENGINE_WARMUP_TOKENS = 16
 PARITY_CONCURRENCY = 1
 NEAR_TIE_NOTE = ("near_tie: the target's top-2 raw-logit margin at the first difference is at most "
@@ -168,8 +166,7 @@ def run_point(stream: RequestStream, *, min_seconds: float, min_output_tokens: i
 
 def run_engine(settings: dict, prompts: list[list[int]], k: int | None, result_path: str) -> None:
     """One engine (k None: the target alone), every concurrency; runs in a spawned child, writes JSON."""
-    for key, value in ENV_DEFAULTS.items():
-        os.environ.setdefault(key, value)
+    set_vllm_env_defaults()
     from vllm import LLM, SamplingParams  # lazy: only this GPU stage needs vLLM
     from vllm.sampling_params import RequestOutputKind
 
@@ -336,8 +333,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
-    for key, value in ENV_DEFAULTS.items():
-        os.environ.setdefault(key, value)
+    set_vllm_env_defaults()
     from importlib.metadata import version
 
     prompts, skipped = load_prompts(a.prompts, a.num_prompts)

@@ -13,7 +13,7 @@ from pathlib import Path
 import jsonschema
 import yaml
 
-from .layers import default_layer_ids, validate_layer_ids
+from .layers import aux_layer_ids, default_layer_ids, validate_layer_ids
 from .serving_limits import AUX_STATES, aux_count_error, rope_error, servable_rope
 
 # target.build recipe -> the one directory it builds (rules/data.smk's build_target writes only there).
@@ -91,7 +91,7 @@ def config_errors(config: dict, schema: dict) -> list[str]:
             continue
         if list(err.absolute_path) == ["extract", "layer_ids"] and err.validator in ("minItems", "maxItems"):
             out.append(f"config key extract.layer_ids = {err.instance!r} is not allowed: "
-                       f"{aux_count_error(err.instance[:-1])}; give {AUX_STATES} aux ids then num_hidden_layers")
+                       f"{aux_count_error(aux_layer_ids(err.instance))}; give {AUX_STATES} aux ids then num_hidden_layers")
             continue
         if err.validator == "required":
             out.append(f"config: {err.message} (under {_key(err.absolute_path)})")

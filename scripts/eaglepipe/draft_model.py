@@ -25,6 +25,12 @@ NORM_FLAGS = {"norm_before_residual": True, "norm_before_fc": True, "fc_norm": F
 NUM_DRAFT_LAYERS = mla_draft.NUM_DRAFT_LAYERS  # one layer, whichever architecture
 ARCHITECTURES = ("auto", "llama", "mla")
 
+# The loss implementation every stage passes to speculators' resolve_loss_config. speculators'
+# fused (triton) losses need CUDA, and on the H200 (torch 2.11) torch.compile's trace of the
+# training forward failed on them ("ListVariable ... already tracked" on the kernels' autotune
+# configs); the eager losses run everywhere and are compiled with the forward on GPUs.
+LOSS_IMPLEMENTATION = "eager"
+
 
 def attn_impl_for(device: torch.device | str) -> str:
     """sdpa on CPU (flex attention has no CPU backward); speculators' compiled flex attention on CUDA."""
@@ -175,14 +181,18 @@ def load_draft(draft_dir: str | Path, target: str | Path, device: torch.device |
     with safe_open(str(draft_dir / "model.safetensors"), framework="pt") as f:
         has_embedding = "embed_tokens.weight" in f.keys()
     if not has_embedding:
-        # speculators refills only a NaN embedding, but transformers 5 leaves a missing one as
-        # uninitialised memory (not NaN), so copy the target's explicitly
-        from speculators.utils.loading import load_model_layers
-
-        embed = load_model_layers(["embed_tokens.weight"], str(target))["embed_tokens.weight"]
-        with torch.no_grad():
-            model.embed_tokens.weight.copy_(embed)
+        load_target_embedding(model, target)
     return model.to(device).eval()
+
+
+def load_target_embedding(model, target: str | Path) -> None:
+    """Fill a speculators draft loaded from a file without ``embed_tokens.weight`` (an export
+    may drop it: vLLM shares the target's) with the target's. speculators refills only a NaN
+    embedding, but transformers 5 leaves a missing weight uninitialised (not NaN)."""
+    from speculators.utils.loading import load_model_layers
+
+    embed = load_model_layers(["embed_tokens.weight"], str(target))["embed_tokens.weight"]
+    model.embed_tokens.load_state_dict({"weight": embed})
 
 
 def _load_served_mla(draft_dir: Path, served: dict, target: str | Path, device) -> torch.nn.Module:

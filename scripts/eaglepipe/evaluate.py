@@ -18,6 +18,7 @@ import torch
 
 from .acceptance import add_strata_arguments
 from .atomic import read_json_object, write_json
+from .layers import aux_layer_ids
 from .packed_data import PackedRows
 from .shards import load_manifest
 
@@ -53,8 +54,8 @@ def main(argv=None) -> None:
     from speculators.losses import resolve_loss_config
 
     from .acceptance import eval_metrics, evaluate_rows, load_strata
-    from .draft_model import load_draft, load_target_head, row_length
-    from .train_draft import LOSS_IMPLEMENTATION, set_threads
+    from .draft_model import LOSS_IMPLEMENTATION, load_draft, load_target_head, row_length
+    from .runtime import set_threads
 
     set_threads()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -64,7 +65,7 @@ def main(argv=None) -> None:
     except ValueError as e:
         raise SystemExit(str(e)) from e
     model = load_draft(args.draft, args.model, device)
-    aux = [int(i) for i in manifest["layer_ids"][:-1]]
+    aux = [int(i) for i in aux_layer_ids(manifest["layer_ids"])]
     if list(model.target_layer_ids) != aux:
         raise SystemExit(f"draft {args.draft}: eagle_aux_hidden_state_layer_ids {model.target_layer_ids} differ "
                          f"from the manifest's aux ids {aux} ({args.manifest})")

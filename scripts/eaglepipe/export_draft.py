@@ -1,12 +1,12 @@
 """Export a trained draft as the directory vLLM serves: config.json + model.safetensors.
 
 The checkpoint is speculators' ``save_pretrained`` output of an ``Eagle3DraftModel``; the export is
-the same format (vLLM loads it natively, research/speculators.md §1.5-1.6) with the deploy-time
-verifier name, K, bf16 weights, and optionally without ``embed_tokens`` (vLLM then shares the
-target's, which training never changes). Everything is checked before the directory appears, and
-the result is round-trip loaded with speculators against the training target. What vLLM 0.26.0
-cannot serve as trained (serving_limits.py) is refused. The model card (README.md) is the
-model_card stage's, written once the draft has been evaluated.
+the same format (vLLM 0.26.0 loads it natively: vllm/transformers_utils/configs/speculators/)
+with the deploy-time verifier name, K, bf16 weights, and optionally without ``embed_tokens`` (vLLM
+then shares the target's, which training never changes). Everything is checked before the
+directory appears, and the result is round-trip loaded with speculators against the training
+target. What vLLM 0.26.0 cannot serve as trained (serving_limits.py) is refused. The model card
+(README.md) is the model_card stage's, written once the draft has been evaluated.
 
     python -m eaglepipe.export_draft --summary results/run/train/summary.json --which best \
         --verifier-name moonshotai/Kimi-K2.5 --num-speculative-tokens 3 --drop-embedding \
@@ -27,6 +27,8 @@ from safetensors.torch import load_file, save_file
 
 from . import mla_draft
 from .atomic import atomic_dir, read_json_object
+from .draft_model import load_target_embedding
+from .layers import aux_layer_ids
 from .serving_limits import DRAFT_ARCHS, NORM_FLAGS, aux_count_error, rope_error
 
 SUMMARY_KEYS = ("best", "last", "steps", "best_eval", "layer_ids", "aux_layer_ids", "target_model",
@@ -46,7 +48,7 @@ def load_summary(path: str | os.PathLike) -> dict:
     if missing:
         raise ExportError(f"training summary {path}: missing key(s) {missing}; the trainer writes {list(SUMMARY_KEYS)}")
     aux, ids = summary["aux_layer_ids"], summary["layer_ids"]
-    if not (isinstance(aux, list) and isinstance(ids, list) and aux and ids[:-1] == aux):
+    if not (isinstance(aux, list) and isinstance(ids, list) and aux and aux_layer_ids(ids) == aux):
         raise ExportError(
             f"training summary {path}: field aux_layer_ids {aux} must be layer_ids {ids} without the final id"
         )
@@ -156,16 +158,13 @@ def export_config(config: dict, summary: dict, verifier_name: str, k: int, where
 def roundtrip_check(out_dir: Path, target: str, written: dict[str, torch.Tensor], name: Path) -> None:
     """Load the export in ``out_dir`` (bound for ``name``) with speculators and compare the tensors."""
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
-    from speculators.utils.loading import load_model_layers
 
     cfg = Eagle3SpeculatorConfig.from_pretrained(str(out_dir))
     cfg.speculators_config.verifier.name_or_path = target  # the deploy name need not exist here
     try:  # speculators also reads the target's head and final norm here: they must fit the draft
         model = Eagle3DraftModel.from_pretrained(str(out_dir), config=cfg, dtype=torch.bfloat16)
         if EMBED not in written:
-            # transformers 5 leaves a weight absent from the file uninitialised (not NaN), so speculators'
-            # NaN test for "fill from the verifier" can miss it: load the target's embedding explicitly.
-            model.embed_tokens.load_state_dict({"weight": load_model_layers([EMBED], target)[EMBED]})
+            load_target_embedding(model, target)
     except (RuntimeError, KeyError, ValueError) as e:
         detail = " ".join(str(e).split())
         raise ExportError(f"export {name}: speculators cannot load it against the target {target} (whose "

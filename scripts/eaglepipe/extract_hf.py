@@ -2,7 +2,7 @@
 
 Id k < N is the input of 0-based decoder layer k (= transformers ``hidden_states[k]``); id N is
 the input of the decoder's final norm. transformers 5 returns ``hidden_states[N]`` *after* the
-norm, which is not what vLLM captures (shared/device/README.md §4), hence the hooks.
+norm, which is not what vLLM captures (layers.py), hence the hooks.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class HFExtractor:
 
         self.device = torch.device(device)
         self.dtype = dtype
-        # bf16 matmuls are ~4x slower than fp32 on CPU (research/feasibility.md): compute fp32, store bf16
+        # bf16 matmuls were ~4x slower than fp32 on the project's x86 CPUs: compute fp32, store bf16
         compute = torch.float32 if self.device.type == "cpu" else dtype
         self.model = AutoModelForCausalLM.from_pretrained(
             model, revision=revision, trust_remote_code=trust_remote_code, dtype=compute

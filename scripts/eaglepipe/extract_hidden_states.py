@@ -34,6 +34,7 @@ from .dir_lock import dir_lock
 from .model_dir import check_model_dir
 from .layers import CONVENTION, resolve_layer_ids
 from .progress import TokenProgress
+from .units import human_bytes
 from .writer_pool import POOLS, make_pool
 
 SPLITS = ("train", "eval")
@@ -106,13 +107,6 @@ def bytes_per_token(num_layers: int, hidden: int, dtype_bytes: int, storage: str
     else:
         states = num_layers * hidden * dtype_bytes
     return states + 8 + 1
-
-
-def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}"
-        n /= 1024
 
 
 def tokenizer_digest(model: str, revision: str | None) -> str | None:
@@ -463,8 +457,8 @@ def run(args) -> None:
     log(f"bytes/token: {L} layers x {H} x {dtype_bytes} B = {L * H * dtype_bytes} B of states"
         + (f", fp8 aux storage -> {bpt - 9} B" if args.storage_dtype == "fp8" else "")
         + f", {bpt} B with input_ids and loss_mask")
-    log(f"projected size: {human(tokens_mine * bpt)} for this replica; {n_reused} shards reusable, "
-        f"{len(todo)} to write ({tokens_todo} tokens, {human(tokens_todo * bpt)})")
+    log(f"projected size: {human_bytes(tokens_mine * bpt)} for this replica; {n_reused} shards reusable, "
+        f"{len(todo)} to write ({tokens_todo} tokens, {human_bytes(tokens_todo * bpt)})")
     # GPU: several writers check and write while the GPU runs on, as many as WRITER_MEMORY allows
     # (each holds its batch as loaded, plus fp8 copies); CPU: one, cores are scarce
     batch_tokens = max((sum(len(s.input_ids) for s in batches[sp][b]) for sp, b in todo), default=0)
@@ -484,11 +478,11 @@ def run(args) -> None:
             needs[shard_dir] = (needs[shard_dir][0] + staged, "the shards still to write and vLLM's staging")
         else:
             needs[staging.parent] = (staged, "vLLM's staged files")
-        log(f"vLLM staging: {staging} (up to {human(staged)})")
+        log(f"vLLM staging: {staging} (up to {human_bytes(staged)})")
     for where, (need, what) in needs.items():
         if todo and not has_room(where, need):
-            raise SystemExit(f"not enough disk space in {where}: {what} need {human(need)} (plus 5% and "
-                             f"1 GiB margin), {human(shutil.disk_usage(where).free)} is free; free space, move "
+            raise SystemExit(f"not enough disk space in {where}: {what} need {human_bytes(need)} (plus 5% and "
+                             f"1 GiB margin), {human_bytes(shutil.disk_usage(where).free)} is free; free space, move "
                              f"the shard or staging directory or use extract.storage_dtype fp8")
 
     # ---- extract what is missing
@@ -557,7 +551,7 @@ def run(args) -> None:
     shards.write_manifest(out, manifest)
     log(f"wrote {out}: {sum(s['tokens'] for s in splits.values())} tokens in "
         f"{sum(len(s['shards']) for s in splits.values())} shards, "
-        f"{human(sum(s['bytes'] for s in splits.values()))}")
+        f"{human_bytes(sum(s['bytes'] for s in splits.values()))}")
 
 
 if __name__ == "__main__":

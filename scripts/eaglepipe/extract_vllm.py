@@ -1,6 +1,6 @@
 """Hidden states from vLLM's built-in ``extract_hidden_states`` speculative method.
 
-The call is the one verified on an H200 with vLLM 0.26.0 (shared/device/README.md §2): the
+The call is the one verified on an H200 with vLLM 0.26.0 (benchmarks/README.md): the
 ``ExampleHiddenStatesConnector`` writes one safetensors file per request into a staging
 directory; we read each file (``load_hidden_states`` waits on the writer's lock), hand the
 states to the caller and delete the file. vLLM is imported lazily: CPU users do not have it.
@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from .vllm_env import set_vllm_env_defaults
+
 # Tokens queued in the engine and not yet finished: several scheduler steps' worth keeps the GPU
 # busy while the caller is busy, and it bounds the files staged at any time.
 LOOKAHEAD_TOKENS = 1 << 17
@@ -35,9 +37,7 @@ class VLLMExtractor:
                  gpu_memory_utilization: float = 0.9, enforce_eager: bool = False,
                  revision: str | None = None, trust_remote_code: bool = False,
                  connector_threads: int | None = None):
-        # flashinfer is not part of the verified install; spawn keeps the engine clean of CUDA state
-        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        set_vllm_env_defaults()
         from vllm import LLM, SamplingParams
         from vllm.sampling_params import RequestOutputKind
 

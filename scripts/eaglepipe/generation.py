@@ -16,12 +16,13 @@ seeded with ``torch.manual_seed`` per request, so answers do not depend on the o
 from __future__ import annotations
 
 import gc
-import os
 from collections import deque
 from functools import partial
 from typing import NamedTuple
 
 import torch
+
+from .vllm_env import set_vllm_env_defaults
 
 
 class Sampling(NamedTuple):
@@ -110,9 +111,7 @@ class VLLMGenerator:
     def load(cls, model: str, sampling: Sampling, dtype: str, tensor_parallel_size: int = 1,
              max_model_len: int = 8192, gpu_memory_utilization: float = 0.9, enforce_eager: bool = False,
              revision: str | None = None, trust_remote_code: bool = False) -> "VLLMGenerator":
-        # the engine settings verified on the H200 (shared/device/README.md), as in extract_vllm
-        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        set_vllm_env_defaults()
         from vllm import LLM, SamplingParams
         from vllm.sampling_params import RequestOutputKind
 

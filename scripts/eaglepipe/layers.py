@@ -2,8 +2,12 @@
 
 Id k (1 <= k < N) is the residual stream after k decoder layers, i.e. the input of 0-based
 layer k (transformers ``hidden_states[k]``). Id N = num_hidden_layers is the last decoder
-layer's output *before* the final norm. Id 0 (the embeddings) is rejected: vLLM 0.26 returns a
-wrong tensor for it on Llama and crashes on DeepseekV3 (shared/device/README.md §4).
+layer's output *before* the final norm (transformers 5's ``hidden_states[N]`` is after it).
+Measured on an H200 by matching every slot vLLM saved against every transformers state
+(benchmarks/gpu_check_extraction.sh compares the two backends). Id 0 (the embeddings) is
+rejected: vLLM 0.26 returned a wrong tensor for it on Llama in eager mode (the embedding buffer
+is overwritten in place) and crashed on DeepseekV3 at engine start (vllm/model_executor/models/
+deepseek_v2.py: ``hidden_states + residual`` with residual None).
 The old speculators 0.3 convention ("output of 0-based layer i") is one layer off from this.
 """
 
@@ -49,6 +53,11 @@ def validate_layer_ids(layer_ids: list[int], num_hidden_layers: int) -> list[int
             f"got {ids[-1]}: the draft's targets come from it"
         )
     return ids
+
+
+def aux_layer_ids(layer_ids: list) -> list:
+    """The aux ids, whose states feed the draft: every layer id but the last, the final layer's."""
+    return list(layer_ids[:-1])
 
 
 def resolve_layer_ids(configured: list[int] | None, num_hidden_layers: int) -> list[int]:

@@ -26,6 +26,7 @@ from matplotlib.ticker import FuncFormatter  # noqa: E402
 
 from .atomic import atomic_path, read_json_object  # noqa: E402
 from .shards import load_manifest  # noqa: E402
+from .units import human_bytes  # noqa: E402
 
 ACC_KEY = re.compile(r"(?:full_)?acc_(\d+)")
 
@@ -141,14 +142,6 @@ def context_panel(ax, offline: dict) -> None:
            ylabel="tokens per target step")
 
 
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
 def skip_reasons(stats: dict) -> dict:
     """{reason: n} from ``skipped_by_reason`` or a dict-valued ``skipped``; a bare count -> {"total": n}."""
     for key in ("skipped_by_reason", "skipped"):
@@ -187,9 +180,9 @@ def data_figure(stats: dict, manifest: dict) -> Figure:
     ax_bytes.bar(names, nbytes, color="C1")
     for i, (b, t) in enumerate(zip(nbytes, tokens)):
         per_tok = f"\n{b / t:,.0f} B/token" if t else ""
-        ax_bytes.text(i, b, f"{_human_bytes(b)}{per_tok}", ha="center", va="bottom", fontsize=8)
+        ax_bytes.text(i, b, f"{human_bytes(b)}{per_tok}", ha="center", va="bottom", fontsize=8)
     ax_bytes.margins(y=0.2)
-    ax_bytes.yaxis.set_major_formatter(FuncFormatter(lambda v, _: _human_bytes(v)))
+    ax_bytes.yaxis.set_major_formatter(FuncFormatter(lambda v, _: human_bytes(v)))
     ax_bytes.set(title="Hidden states on disk")
     tp = manifest.get("throughput") if isinstance(manifest.get("throughput"), dict) else {}
     if _num(tp.get("tokens_per_s")):

@@ -1,6 +1,6 @@
 """The hidden-state shard format and the manifest that lists the shards.
 
-One safetensors file per batch, no padding (DESIGN.md decision 4):
+One safetensors file per batch (read by memory map), its samples packed without padding:
   hidden_states [T, L, H]  model dtype (bf16); T = the batch's samples packed end to end,
                            L = captured layers (aux ids ascending, then the final layer)
   input_ids     [T] int64,  loss_mask [T] uint8,  sample_index [B] int64,  offsets [B+1] int64

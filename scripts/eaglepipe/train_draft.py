@@ -28,12 +28,13 @@ from . import checkpoints
 from .acceptance import OVERALL, add_strata_arguments
 from .atomic import atomic_path, sha256_file, write_json
 from .dir_lock import dir_lock
-from .draft_model import ARCHITECTURES
+from .draft_model import ARCHITECTURES, LOSS_IMPLEMENTATION
 from .model_dir import check_model_dir
-from .layers import validate_layer_ids
+from .layers import aux_layer_ids, validate_layer_ids
 from .packed_data import PackedRows
 from .prefetch import prefetch
 from .progress import TokenProgress
+from .runtime import all_reduce, rng_state, set_rng_state, set_threads, setup_distributed
 from .shards import load_manifest
 
 log = logging.getLogger("eaglepipe.train_draft")
@@ -74,40 +75,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-# ----------------------------------------------------------------------------- setup
-def set_threads() -> int:
-    """Torch threads = the job's threads (Snakemake exports OMP_NUM_THREADS = threads)."""
-    n = int(os.environ.get("OMP_NUM_THREADS") or len(os.sched_getaffinity(0)))
-    torch.set_num_threads(max(1, n))
-    return n
-
-
-def setup_distributed() -> tuple[int, int, torch.device]:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    if torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        torch.backends.cuda.matmul.allow_tf32 = True  # the fp32 rest (eval, head) on tensor cores
-        device = torch.device("cuda", local)
-    else:
-        device = torch.device("cpu")
-    if world > 1:
-        import torch.distributed as dist
-
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return rank, world, device
-
-
-def all_reduce(counts: dict, world: int) -> dict:
-    if world > 1:
-        import torch.distributed as dist
-
-        for v in counts.values():
-            dist.all_reduce(v)
-    return counts
-
-
 # Flags that do not change what training produces; every other flag does (a new flag counts
 # until it is listed here), so a checkpoint made with any other value is never resumed.
 RESULT_NEUTRAL = {
@@ -125,24 +92,6 @@ def run_settings(args, manifest: dict) -> dict:
     return dict(settings, model=str(args.model), data=data.hexdigest()[:16], vocab=sha256_file(args.vocab)[:16])
 
 
-def rng_state() -> dict:
-    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-# speculators' fused (triton) losses need CUDA, and on the H200 (torch 2.11) torch.compile's trace
-# of the training forward failed on them ("ListVariable ... already tracked" on the kernels'
-# autotune configs); the eager losses run everywhere and are compiled with the forward on GPUs.
-LOSS_IMPLEMENTATION = "eager"
 
 
 class MetricsLog:
@@ -188,7 +137,7 @@ def train(args, stop_after: int | None = None) -> dict | None:
         validate_layer_ids(layer_ids, int(manifest["target"].get("num_hidden_layers", layer_ids[-1])))
     except ValueError as e:
         raise SystemExit(f"manifest {args.manifest}: {e}") from e
-    aux_ids = layer_ids[:-1]
+    aux_ids = aux_layer_ids(layer_ids)
     settings = run_settings(args, manifest)
     digest = checkpoints.settings_digest(settings)
     log.info("target %s, layer ids %s (aux %s), %d thread(s), device %s, world size %d, settings digest %s",

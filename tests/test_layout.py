@@ -1,0 +1,68 @@
+"""The package's layout: a stage (a module a rule runs) never imports another stage; what stages
+share lives in library modules."""
+import ast
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PKG = REPO / "scripts" / "eaglepipe"
+
+
+def stage_modules() -> set[str]:
+    """The modules the rules run: `{STAGE}.<module>` or `... eaglepipe.<module>` in a shell command
+    (the workflow's own `from eaglepipe.x import` lines are no stage)."""
+    lines = [
+        line
+        for p in [REPO / "Snakefile", *sorted((REPO / "rules").glob("*.smk"))]
+        for line in p.read_text().splitlines()
+        if not line.lstrip().startswith(("from ", "import "))
+    ]
+    return set(re.findall(r"(?:\{STAGE\}|\beaglepipe)\.(\w+) ", "\n".join(lines)))
+
+
+def imported_modules(source: str) -> set[str]:
+    """The eaglepipe modules a module's source imports, at the top or inside a function."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("eaglepipe.")}
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level == 0 and module.split(".")[0] != "eaglepipe":
+                continue
+            package_path = module.split(".")[1:] if node.level == 0 else module.split(".") if module else []
+            if package_path:
+                found.add(package_path[0])
+            else:  # from . import x / from eaglepipe import x
+                found |= {a.name for a in node.names}
+    return found
+
+
+def test_stage_modules_found():
+    stages = stage_modules()
+    assert {"train_draft", "evaluate", "extract_hidden_states", "export_draft"} <= stages
+    assert all((PKG / f"{s}.py").is_file() for s in stages), stages
+
+
+def test_no_stage_imports_another_stage():
+    stages = stage_modules()
+    offending = {
+        stage: sorted(imported_modules((PKG / f"{stage}.py").read_text()) & stages - {stage}) for stage in stages
+    }
+    assert not {s: m for s, m in offending.items() if m}, (
+        "a stage imports another stage; move what they share into a library module"
+    )
+
+
+def test_imported_modules_sees_every_import_form():
+    source = (
+        "import eaglepipe.train_draft\n"
+        "from eaglepipe.evaluate import main\n"
+        "from eaglepipe import plots\n"
+        "from . import model_card\n"
+        "def f():\n"
+        "    from .export_draft import main\n"
+        "import json\n"
+        "from pathlib import Path\n"
+    )
+    assert imported_modules(source) == {"train_draft", "evaluate", "plots", "model_card", "export_draft"}
