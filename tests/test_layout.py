@@ -66,3 +66,29 @@ def test_imported_modules_sees_every_import_form():
         "from pathlib import Path\n"
     )
     assert imported_modules(source) == {"train_draft", "evaluate", "plots", "model_card", "export_draft"}
+
+
+def rule_modules() -> dict[str, str]:
+    """Rule name -> the stage module its shell command runs (`use rule A as B` runs A's module)."""
+    text = "\n".join(p.read_text() for p in sorted((REPO / "rules").glob("*.smk")))
+    out, current = {}, None
+    for line in text.splitlines():
+        if m := re.match(r"\s*use rule (\w+) as (\w+)", line):
+            out[m.group(2)] = m.group(1)  # resolved below
+        elif m := re.match(r"\s*rule (\w+):", line):
+            current = m.group(1)
+        elif current and (m := re.search(r"(?:\{STAGE\}|\beaglepipe)\.(\w+) ", line)):
+            out[current] = m.group(1)
+            current = None
+    return {rule: out.get(module, module) for rule, module in out.items()}
+
+
+def test_every_stage_module_opens_with_the_rules_that_run_it_and_the_map_lists_them():
+    modules = rule_modules()
+    assert {"prepare_data", "extract_parity_hidden_states", "gather_hidden_states"} <= set(modules), modules
+    package_doc = ast.get_docstring(ast.parse((PKG / "__init__.py").read_text()))
+    for rule, module in modules.items():
+        first_line = ast.get_docstring(ast.parse((PKG / f"{module}.py").read_text())).splitlines()[0]
+        assert first_line.startswith("Stage") and rule in first_line, (rule, module, first_line)
+        row = next((r for r in package_doc.splitlines() if r.startswith(f"| {rule}") or f", {rule} |" in r), None)
+        assert row and f"| {module} |" in row, (rule, module)

@@ -1,1 +1,21 @@
-"""eaglepipe: EAGLE-3 draft training pipeline for vLLM targets."""
+"""eaglepipe: EAGLE-3 draft training pipeline for vLLM targets.
+
+The map: each rule (rules/*.smk) runs one stage module here as ``python -m eaglepipe.<module>``;
+a stage never imports another stage (tests/test_layout.py), what stages share lives in library
+modules.
+
+| rule | stage module | libraries it stands on |
+| --- | --- | --- |
+| build_target | build_target | transformers (GGUF loading), gguf |
+| regenerate_responses | regenerate_responses | vLLM (request stream) or transformers generate |
+| prepare_data | prepare_data | transformers chat templates, datasets (file forms) |
+| vocab_mapping | vocab_mapping | speculators (draft vocabulary rule) |
+| extract_hidden_states, extract_parity_hidden_states | extract_hidden_states | vLLM extract_hidden_states + its connector, or transformers; safetensors |
+| gather_hidden_states | gather_manifest | |
+| train_draft | train_draft | speculators (EAGLE-3 model, losses), torch (DDP) |
+| export_draft | export_draft | speculators, safetensors |
+| evaluate_offline, evaluate_parity | evaluate | speculators (the draft's forward) |
+| benchmark_serving | benchmark_serving | vLLM (LLM engine, spec-decode metrics) |
+| model_card | model_card | |
+| plot_report, plot_serving | plots | matplotlib |
+"""

@@ -1,4 +1,4 @@
-"""Serving benchmark on a GPU: vLLM with the exported EAGLE-3 draft against the target alone, by
+"""Stage benchmark_serving: vLLM with the exported EAGLE-3 draft against the target alone, by
 concurrency and K, what a user of speculative decoding pays for.
 
     python -m eaglepipe.benchmark_serving --model TARGET --draft results/run/draft \

@@ -1,6 +1,7 @@
-"""Offline evaluation of an exported draft (``rule evaluate_offline``): acceptance length by greedy
-chain replay on held-out hidden-state shards (acceptance.py), written to ``offline.json``: overall
-and by stratum (context length, assistant turn, inside/outside thinking; ``strata``).
+"""Stages evaluate_offline, evaluate_parity: offline evaluation of an exported draft, acceptance
+length by greedy chain replay on held-out hidden-state shards (acceptance.py), written to
+``offline.json``: overall and by stratum (context length, assistant turn, inside/outside
+thinking; ``strata``).
 
 With ``--parity serving.json`` (``rule evaluate_parity``) the shards hold the sequences vLLM produced
 in the serving benchmark's parity window instead; the replay follows vLLM's drafting positions on them

@@ -1,4 +1,4 @@
-"""Export a trained draft as the directory vLLM serves: config.json + model.safetensors.
+"""Stage export_draft: a trained draft as the directory vLLM serves: config.json + model.safetensors.
 
 The checkpoint is speculators' ``save_pretrained`` output of an ``Eagle3DraftModel``; the export is
 the same format (vLLM 0.26.0 loads it natively: vllm/transformers_utils/configs/speculators/)

@@ -1,4 +1,5 @@
-"""Extract the target's hidden states for every tokenized sample into per-batch shards.
+"""Stages extract_hidden_states, extract_parity_hidden_states: the target's hidden states for every
+tokenized sample, in per-batch shards.
 
   python -m eaglepipe.extract_hidden_states --train T.jsonl --eval E.jsonl --model M \
       --backend hf|vllm --layer-ids auto|2,15,27,30 --batch-size 64 --shard-dir DIR \

@@ -1,4 +1,5 @@
-"""Merge the extraction replicas' part manifests into the one manifest training reads.
+"""Stage gather_hidden_states: the extraction replicas' part manifests merged into the one
+manifest training reads.
 
   python -m eaglepipe.gather_manifest --out hidden_states/manifest.json parts/replica-*.json
 

@@ -1,5 +1,5 @@
-"""Report figures: training curves, data/extraction statistics and the serving benchmark, as SVG
-for `snakemake --report`.
+"""Stages plot_report, plot_serving: report figures (training curves, data/extraction statistics,
+the serving benchmark) as SVG for `snakemake --report`.
 
     python -m eaglepipe.plots --metrics train/metrics.jsonl --stats data/stats.json \
         --manifest hidden_states/manifest.json --offline eval/offline.json \

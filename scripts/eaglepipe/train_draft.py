@@ -1,4 +1,4 @@
-"""Train the EAGLE-3 draft on hidden-state shards (``rule train_draft``).
+"""Stage train_draft: the EAGLE-3 draft trained on hidden-state shards.
 
 Our own small loop around speculators' model and losses: speculators' Trainer refuses to run
 without an accelerator and its resume path fails on CPU, and the pipeline must train on a laptop.
