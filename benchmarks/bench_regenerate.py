@@ -27,7 +27,6 @@ from eaglepipe.vllm_env import set_vllm_env_defaults
 set_vllm_env_defaults()  # before any vllm import
 
 from eaglepipe.chat_data import Chat  # noqa: E402
-from eaglepipe.chat_template import ChatTemplate  # noqa: E402
 from eaglepipe.generation import Sampling, VLLMGenerator, stop_token_ids  # noqa: E402
 from eaglepipe.progress import TokenProgress  # noqa: E402
 from eaglepipe.regenerate_responses import (  # noqa: E402

@@ -1,6 +1,5 @@
 """Loss masks from real chat templates: exactly what the target generates in each assistant turn."""
 
-import json
 
 import pytest
 import tiny

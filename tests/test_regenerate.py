@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -24,7 +23,6 @@ from eaglepipe.generation import Finished, Sampling, VLLMGenerator
 from eaglepipe.regenerate_responses import (
     Mode, Regenerator, Settings, assemble, batched_parts, mode_templates, pick_mode, read_mtbench, request_seed,
 )
-from eaglepipe.tokenized_samples import iter_tokenized
 from workflow import REPO, copy_workflow, dry_run, snakemake, write_config
 
 STOP = 2  # <|im_end|> in tests/tiny.py's tokenizer, the tiny models' eos_token_id

@@ -298,6 +298,13 @@ def test_snakefmt_is_clean():
     assert p.returncode == 0, p.stdout + p.stderr
 
 
+def test_ruff_is_clean():
+    # the rules chosen in pyproject.toml: syntax errors, unused imports and variables, undefined names
+    p = subprocess.run([sys.executable, "-m", "ruff", "check", "scripts", "tests", "benchmarks"],
+                       capture_output=True, text=True, cwd=REPO)
+    assert p.returncode == 0, p.stdout + p.stderr
+
+
 def test_h200_preset_dry_run_plans_every_stage_on_one_gpu(tmp_path):
     ws = copy_workflow(tmp_path)
     p = snakemake(ws, "-n", "-p", "--configfile", str(REPO / "config/presets/smollm2-h200.yaml"))

@@ -188,7 +188,7 @@ def explain_divergences(reference: dict[str, dict], outputs: dict[str, list[int]
             d.update(margin=None, threshold=None, near_tie=False,
                      why="no top-2 logits at that position (one output ended first)")
         else:
-            (t1, z1), (t2, z2) = top2[0], top2[1]
+            (_, z1), (t2, z2) = top2[0], top2[1]
             margin = z1 - z2
             threshold = near_tie_threshold(z1, dtype, ulps)
             second = d["token"] == t2
