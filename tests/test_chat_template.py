@@ -82,16 +82,7 @@ def encode(tok, messages, path=None, kwargs=None, **kw):
 
 def masked_runs(tok, ids, mask):
     """Decoded text of each maximal run of masked tokens."""
-    runs, cur = [], []
-    for i, m in zip(ids, mask):
-        if m:
-            cur.append(i)
-        elif cur:
-            runs.append(cur)
-            cur = []
-    if cur:
-        runs.append(cur)
-    return [tok.decode(r, skip_special_tokens=False) for r in runs]
+    return [tok.decode(r, skip_special_tokens=False) for r in tiny.masked_runs(ids, mask)]
 
 
 def all_runs(tok, enc):

@@ -104,17 +104,6 @@ def chat(cid, *turns):
     return Chat(cid, [{"role": r, "content": c} for r, c in turns], f"test:{cid}")
 
 
-def masked_runs(ids, mask):
-    runs, cur = [], []
-    for t, m in zip(ids, mask):
-        if m:
-            cur.append(t)
-        elif cur:
-            runs.append(cur)
-            cur = []
-    return runs + ([cur] if cur else [])
-
-
 ANSWERS = ["the good word.", "water is new."]
 
 
@@ -133,7 +122,7 @@ def test_multi_turn_prefix_is_the_regenerated_history_and_masks_are_the_answers(
     assert rec["id"] == rec["conversation"] == "c0"
     answer_ids = [tok.encode(a, add_special_tokens=False) + [STOP] for a in ANSWERS]
     assert rec["input_ids"] == second + answer_ids[1]
-    assert masked_runs(rec["input_ids"], rec["loss_mask"]) == answer_ids
+    assert tiny.masked_runs(rec["input_ids"], rec["loss_mask"]) == answer_ids
     assert sum(rec["loss_mask"]) == sum(map(len, answer_ids))
     assert rec["answers"] == ANSWERS
     assert stats["read"] == stats["kept"] == 1 and stats["by_mode"]["default"]["answers_kept"] == 2

@@ -215,6 +215,18 @@ WORDS = (
 ).split()
 
 
+def masked_runs(ids: list[int], mask: list[int]) -> list[list[int]]:
+    """The token ids of each maximal run of masked (loss_mask 1) tokens, in order."""
+    runs, cur = [], []
+    for t, m in zip(ids, mask):
+        if m:
+            cur.append(t)
+        elif cur:
+            runs.append(cur)
+            cur = []
+    return runs + ([cur] if cur else [])
+
+
 def corpus(n: int = 400, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
     lines = []
