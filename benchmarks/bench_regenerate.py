@@ -88,7 +88,7 @@ def main():
     def ours():
         with tempfile.TemporaryDirectory() as parts_dir, TokenProgress(None, "ours") as progress:
             regen = Regenerator(gen, templates, settings, Path(parts_dir))
-            regen.run(batched_parts("train", (c for c in chats if c.id in keep), settings, args.batch_size), progress)
+            regen.run(batched_parts((c for c in chats if c.id in keep), settings, args.batch_size), progress)
             return progress.tokens, progress.seconds
 
     gen.llm.generate([{"prompt_token_ids": ids} for _, ids in first_turns[:16]],

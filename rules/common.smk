@@ -254,8 +254,35 @@ def prepare_data_input():
 def prepare_data_source(wildcards, input):
     """prepare_data's data arguments; data.max_samples was applied to conversations by regeneration."""
     if config["regenerate"]["enabled"]:
-        return f"--pretokenized --data {input.data}"
-    return f"--data {config['data']['path']} --max-samples {config['data']['max_samples'] or 0}"
+        data = f"--pretokenized --data {input.data}"
+    else:
+        data = f"--data {config['data']['path']} --max-samples {config['data']['max_samples'] or 0}"
+    if config["evaluate"]["prompts"]:
+        return f"{data} --eval-data {input.eval_data} --eval-fraction 0"
+    return f"{data} --eval-fraction {config['data']['eval_fraction']}"
+
+
+REGENERATED_EVAL = "results/{run}/regenerated/eval_prompts.jsonl"
+# the fixed evaluation set's answers: what the serving benchmark's target says to the same prompts
+EVAL_PROMPTS_SAMPLING = {
+    "turns": "first",
+    "temperature": 0,
+    "top_p": 1,
+    "max_new_tokens": config["benchmark_serving"]["max_tokens"],
+    "on_truncated": "keep",
+    "on_loop": "keep",
+}
+REGENERATE_SAMPLING = tuple(EVAL_PROMPTS_SAMPLING)  # the regenerate.* keys a training job takes
+
+
+def eval_data_input():
+    """prepare_data's eval split when evaluate.prompts names a fixed set (else drawn from the data)."""
+    return REGENERATED_EVAL if config["evaluate"]["prompts"] else []
+
+
+def eval_prompts_source_input(wildcards=None):
+    path = config["evaluate"]["prompts"]
+    return [] if not path or path.startswith("package:") else path
 
 
 def regenerate_modes():

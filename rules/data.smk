@@ -24,6 +24,7 @@ if config["target"]["build"]:
 rule prepare_data:
     input:
         data=prepare_data_input(),
+        eval_data=eval_data_input(),
         model=target_input(),
         chat_template=chat_template_input(),
     output:
@@ -47,7 +48,6 @@ rule prepare_data:
         model=target_arg,
         max_length=config["data"]["max_length"],
         too_long=config["data"]["too_long"],
-        eval_fraction=config["data"]["eval_fraction"],
         seed=config["data"]["seed"],
         template=chat_template_flags(),
         template_sha256=chat_template_sha256(),
@@ -60,7 +60,7 @@ rule prepare_data:
         "{params.data} --model {params.model} {params.revision} "
         "{params.trust} --out-dir {params.outdir} "
         "--max-length {params.max_length} --too-long {params.too_long} "
-        "--eval-fraction {params.eval_fraction} --seed {params.seed} {params.template} > {log} 2>&1"
+        "--seed {params.seed} {params.template} > {log} 2>&1"
 
 
 rule vocab_mapping:

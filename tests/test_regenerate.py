@@ -59,7 +59,7 @@ class Scripted:
     def step(self):
         out = []
         for rid, prompt in self.queue:
-            _, _, pos, turn = rid.rsplit("-", 3)
+            _, pos, turn = rid.rsplit("-", 2)
             text, reason = self.answer(int(pos), int(turn), prompt)
             ids = self.tok.encode(text, add_special_tokens=False)
             out.append(Finished(rid, ids + [STOP] if reason == "stop" else ids, reason))
@@ -80,7 +80,7 @@ def run_scripted(tmp_path, tok, items, answer, batch_size=4, **changes):
     gen = Scripted(tok, answer)
     s = settings(**changes)
     regen = Regenerator(gen, mode_templates(tok, None, s.modes), s, tmp_path / "parts")
-    parts = regen.run(batched_parts("train", iter(items), s, batch_size), _NoProgress())
+    parts = regen.run(batched_parts(iter(items), s, batch_size), _NoProgress())
     stats = assemble(parts, tmp_path / "parts", tmp_path / "out.jsonl")
     records = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     return records, stats, gen
@@ -114,8 +114,8 @@ def test_multi_turn_prefix_is_the_regenerated_history_and_masks_are_the_answers(
 
     first = prompt_ids(tok, c.messages[:2])
     second = prompt_ids(tok, c.messages[:2] + [{"role": "assistant", "content": ANSWERS[0]}, c.messages[3]])
-    assert gen.prompts["train-0-0-0"] == first
-    assert gen.prompts["train-0-0-1"] == second
+    assert gen.prompts["0-0-0"] == first
+    assert gen.prompts["0-0-1"] == second
     assert "ORIGINAL" not in tok.decode(second)
     # the second prompt extends the first answer token for token: one sample for the conversation
     [rec] = records
@@ -132,7 +132,7 @@ def test_first_turn_only(tmp_path, tok):
     c = chat("c0", ("user", "what is it?"), ("assistant", "x"), ("user", "and then?"), ("assistant", "y"))
     records, _, gen = run_scripted(tmp_path, tok, [c], lambda pos, turn, prompt: (ANSWERS[turn], "stop"),
                                    turns="first")
-    assert list(gen.prompts) == ["train-0-0-0"]
+    assert list(gen.prompts) == ["0-0-0"]
     [rec] = records
     assert rec["input_ids"] == prompt_ids(tok, c.messages[:1]) + tok.encode(ANSWERS[0]) + [STOP]
 
@@ -144,7 +144,7 @@ def test_history_the_template_rewrites_starts_a_sample_of_its_own(tmp_path, tiny
     assert [r["id"] for r in records] == ["c0", "c0#1"]
     assert {r["conversation"] for r in records} == {"c0"}
     # each sample is the prompt the target saw for that turn, then its answer
-    assert records[1]["input_ids"][: len(gen.prompts["train-0-0-1"])] == gen.prompts["train-0-0-1"]
+    assert records[1]["input_ids"][: len(gen.prompts["0-0-1"])] == gen.prompts["0-0-1"]
     assert [r["answers"] for r in records] == [[ANSWERS[0]], [ANSWERS[1]]]
 
 
@@ -173,7 +173,7 @@ def test_the_thinking_switch_reaches_the_template(tmp_path):
                                        modes=modes)
     think = tok.encode("think: ", add_special_tokens=False)
     for rec in records:
-        prompt = gen.prompts[f"train-{int(rec['id'][1:]) // 4}-{int(rec['id'][1:]) % 4}-0"]
+        prompt = gen.prompts[f"{int(rec['id'][1:]) // 4}-{int(rec['id'][1:]) % 4}-0"]
         assert (prompt[-len(think):] == think) == (rec["mode"] == "think"), rec["id"]
         assert rec["mode"] == pick_mode(modes, 0, rec["id"]).name
     by_mode = stats["by_mode"]
@@ -195,7 +195,7 @@ def test_thinking_answers_enter_the_history_as_reasoning_content(tmp_path, tok):
     s = settings()
     c = chat("c0", ("user", "what is it?"), ("user", "and then?"))
     Regenerator(Scripted(tok, lambda *_: ("<think>the word.</think>water is new.", "stop")), {"default": template},
-                s, tmp_path / "parts").run(batched_parts("train", iter([c]), s, 4), _NoProgress())
+                s, tmp_path / "parts").run(batched_parts(iter([c]), s, 4), _NoProgress())
     assert template.seen[1][1] == {"role": "assistant", "content": "water is new.", "reasoning_content": "the word."}
 
 
@@ -335,7 +335,7 @@ def run_fake_vllm(tmp_path, tok, items, finish_per_step):
     sampling = Sampling(0.7, 0.9, 64, (STOP,))
     gen = VLLMGenerator(engine, sampling, SimpleNamespace)
     s = settings(temperature=0.7, top_p=0.9)
-    parts = Regenerator(gen, mode_templates(tok, None, s.modes), s, tmp_path / "parts").run(batched_parts("train", iter(items), s, 4),
+    parts = Regenerator(gen, mode_templates(tok, None, s.modes), s, tmp_path / "parts").run(batched_parts(iter(items), s, 4),
                                                                  _NoProgress())
     assemble(parts, tmp_path / "parts", tmp_path / "out.jsonl")
     return (tmp_path / "out.jsonl").read_text(), engine
@@ -348,7 +348,7 @@ def test_vllm_request_stream_answers_reach_their_conversations_in_any_order(tmp_
     assert streamed == serial
     assert len(streamed.splitlines()) == 12
     for rid, params in engine.params.items():
-        set_name, part, pos, turn = rid.split("-")
+        part, pos, turn = rid.split("-")
         cid = f"c{int(part) * 4 + int(pos)}"
         assert (params.seed, params.temperature, params.top_p, params.max_tokens, params.stop_token_ids) == (
             request_seed(0, cid, int(turn)), 0.7, 0.9, 64, [STOP])
@@ -377,9 +377,7 @@ def run_cli(args):
 def test_cli_is_deterministic_and_token_exact(tmp_path, tiny_llama):
     data = tiny.make_chats(tmp_path / "chats.jsonl", n=8)
     tok = AutoTokenizer.from_pretrained(tiny_llama)
-    run_cli(cli(tmp_path, tiny_llama, data, "a", ["--batch-size", "3", "--eval-prompts", "package:mtbench",
-                                                  "--eval-out", str(tmp_path / "a" / "mtbench.jsonl"),
-                                                  "--turns", "first"]))
+    run_cli(cli(tmp_path, tiny_llama, data, "a", ["--batch-size", "3", "--turns", "first"]))
     run_cli(cli(tmp_path, tiny_llama, data, "b", ["--batch-size", "5", "--turns", "first"]))
     a, b = (tmp_path / "a" / "chats.jsonl").read_text(), (tmp_path / "b" / "chats.jsonl").read_text()
     assert a == b  # greedy: the same answers whatever the parts
@@ -392,8 +390,7 @@ def test_cli_is_deterministic_and_token_exact(tmp_path, tiny_llama):
         assert rec["loss_mask"] == [0] * len(prompt) + [1] * len(completion)
         assert completion[-1] == STOP or len(completion) == 12
     stats = json.loads((tmp_path / "a" / "stats.json").read_text())
-    assert stats["sets"]["eval_prompts"]["read"] == 80
-    assert stats["sets"]["train"]["read"] == 8 and stats["run"]["parts_written"] == 3 + 27
+    assert stats["read"] == 8 and stats["run"]["parts_written"] == 3
 
 
 def test_sampling_follows_the_seed(tmp_path, tiny_llama):
@@ -410,7 +407,7 @@ def test_resume_after_kill_equals_an_uninterrupted_run(tmp_path, tiny_llama):
     args = cli(tmp_path, tiny_llama, data, "killed", ["--batch-size", "2", "--max-new-tokens", "24"])
     env = {**os.environ, "PYTHONPATH": str(REPO / "scripts"), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    parts = tmp_path / "killed" / "parts" / "train"
+    parts = tmp_path / "killed" / "parts"
     while proc.poll() is None and not list(parts.glob("*.json")):
         time.sleep(0.02)
     proc.send_signal(signal.SIGKILL)
@@ -429,27 +426,48 @@ def test_resume_after_kill_equals_an_uninterrupted_run(tmp_path, tiny_llama):
 
 # -- the rule --------------------------------------------------------------------------------------
 
-def test_rule_reruns_on_sampling_changes_only(tmp_path, tiny_llama):
+def test_rules_rerun_on_their_own_sampling_changes_only(tmp_path, tiny_llama):
     ws = copy_workflow(tmp_path)
     chats = tiny.make_chats(ws / "chats.jsonl", n=12)
+    prompts = tiny.make_chats(ws / "prompts.jsonl", n=3)
+    regenerate = {"enabled": True, "max_new_tokens": 8, "on_loop": "keep", "turns": "first"}
     write_config(ws, {
         "run_name": "tiny",
         "target": {"model": str(tiny_llama), "build": None, "deploy_name": "tiny/llama"},
         "data": {"path": str(chats), "max_length": 256, "eval_fraction": 0.5},
         "draft": {"vocab_size": 64},
         "extract": {"backend": "hf", "device": "cpu", "batch_size": 4},
-        "regenerate": {"enabled": True, "max_new_tokens": 8, "on_loop": "keep", "eval_prompts": str(chats),
-                       "turns": "first"},
+        "regenerate": regenerate,
+        "evaluate": {"prompts": str(prompts)},
+        "benchmark_serving": {"max_tokens": 6},
     })
     jobs, reasons, _ = dry_run(ws)
-    assert jobs["regenerate_responses"] == 1 and "regenerate_responses" in reasons["output files have to be generated"]
+    made = reasons["output files have to be generated"]
+    assert jobs["regenerate_responses"] == jobs["regenerate_eval_prompts"] == 1
+    assert "regenerate_responses" in made and "regenerate_eval_prompts" in made
     snakemake(ws, "results/tiny/data/train.jsonl")
+
+    # the fixed prompts are the eval split, token for token; every training conversation trains
+    data = ws / "results" / "tiny" / "data"
+    fixed = [json.loads(line) for line in (ws / "results/tiny/regenerated/eval_prompts.jsonl").read_text().splitlines()]
+    evals = [json.loads(line) for line in (data / "eval.jsonl").read_text().splitlines()]
+    assert [(r["id"], r["input_ids"], r["loss_mask"]) for r in evals] == [
+        (r["id"], r["input_ids"], r["loss_mask"]) for r in fixed]
+    assert len(fixed) == 3 and all(sum(r["loss_mask"]) <= 6 for r in fixed)  # greedy, benchmark_serving.max_tokens
+    # both files name their conversations c0, c1, ...: the fixed set keeps its ids, the data's
+    # conversations reusing them are the counted duplicates, every other one trains
+    train_ids = {json.loads(line)["id"].split("#")[0] for line in (data / "train.jsonl").read_text().splitlines()}
+    assert train_ids == {f"c{i}" for i in range(3, 12)}
+    stats = json.loads((data / "stats.json").read_text())
+    assert stats["splits"]["eval"]["samples"] == 3 and stats["eval_data"].endswith("eval_prompts.jsonl")
+    assert stats["read"] == 15 and stats["skipped_by_reason"] == {"duplicate_id": 3}
+
     jobs, _, _ = dry_run(ws)
-    assert "regenerate_responses" not in jobs and "prepare_data" not in jobs
-    jobs, reasons, out = dry_run(ws, "--config", 'regenerate={"enabled": true, "max_new_tokens": 8, '
-                                 '"on_loop": "keep", "eval_prompts": "' + str(chats) + '", "turns": "first", '
-                                 '"temperature": 0.9}')
-    assert {"regenerate_responses", "prepare_data"} <= set(jobs), out
+    assert not {"regenerate_responses", "regenerate_eval_prompts", "prepare_data"} & set(jobs)
+    jobs, reasons, out = dry_run(ws, "--config", "regenerate=" + json.dumps({**regenerate, "temperature": 0.9}))
+    assert {"regenerate_responses", "prepare_data"} <= set(jobs) and "regenerate_eval_prompts" not in jobs, out
     assert any("regenerate_responses" in rules for reason, rules in reasons.items() if "params" in reason.lower()), out
+    jobs, _, out = dry_run(ws, "--config", 'benchmark_serving={"max_tokens": 7}')
+    assert {"regenerate_eval_prompts", "prepare_data"} <= set(jobs) and "regenerate_responses" not in jobs, out
     jobs, _, out = dry_run(ws, "--config", 'train={"lr": 0.002}')
-    assert "regenerate_responses" not in jobs and "prepare_data" not in jobs, out
+    assert not {"regenerate_responses", "regenerate_eval_prompts", "prepare_data"} & set(jobs), out

@@ -4,7 +4,9 @@ Each kept conversation becomes one line ``{"id", "input_ids", "loss_mask"}`` ren
 target's chat template (eaglepipe.chat_template), plus one line ``{"id": "ID#turnI", ...}`` for each
 assistant turn the template renders differently in history (trained as its own sample). The split is
 a hash of (seed, conversation id), so a conversation's samples share a split and stay in it when
---max-samples grows. Every record read is either kept or a counted skip; every assistant turn and
+--max-samples grows; with --eval-data (a fixed evaluation set, e.g. the target's answers to the
+MT-Bench questions from rule regenerate_eval_prompts) that file is the eval split and every record
+of --data trains (one reusing an eval sample's id is skipped as a duplicate). Every record read is either kept or a counted skip; every assistant turn and
 token in the data is either trained or counted by the reason it is not (stats.json "assistant").
 """
 
@@ -15,7 +17,7 @@ import hashlib
 import json
 import sys
 from collections import Counter, defaultdict
-from itertools import islice
+from itertools import chain, islice, repeat
 
 import torch
 from safetensors.torch import save_file
@@ -134,8 +136,14 @@ def prepare(args) -> dict:
             open(train_tmp, "w") as train_f, open(eval_tmp, "w") as eval_f:
         files = {"train": train_f, "eval": eval_f}
         records = islice((iter_tokenized if args.pretokenized else iter_chats)(args.data), args.max_samples or None)
-        bar = tqdm(records, total=args.max_samples or None, desc="conversations", unit="conv", mininterval=2.0)
-        for item in bar:
+        # (record, its split): drawn by hash (None) unless --eval-data is the eval split; that set
+        # is read first, so it stays the same whatever the data (a data record reusing one of its
+        # ids is the counted duplicate)
+        records = zip(records, repeat(None if args.eval_data is None else "train"))
+        if args.eval_data is not None:
+            records = chain(zip(iter_tokenized(args.eval_data), repeat("eval")), records)
+        bar = tqdm(records, desc="conversations", unit="conv", mininterval=2.0)
+        for item, fixed_split in bar:
             read += 1
             if isinstance(item, Skip):
                 skip(*item)
@@ -168,7 +176,7 @@ def prepare(args) -> dict:
             prompt_mismatches += enc.prompt_mismatches
             assistant.turns_by_reason.update(enc.untrained_turns)
             assistant.tokens_by_reason.update(enc.untrained_tokens)
-            split = "eval" if in_eval(conversation, args.seed, args.eval_fraction) else "train"
+            split = fixed_split or ("eval" if in_eval(conversation, args.seed, args.eval_fraction) else "train")
             written = 0
             for sample in enc.samples:
                 n = len(sample.input_ids)
@@ -205,12 +213,14 @@ def prepare(args) -> dict:
             raise SystemExit(f"{args.data}: no conversation kept out of {read} read (skipped: {reasons})")
         for name, s in splits.items():
             if s.samples == 0:
-                raise SystemExit(f"{args.data}: the {name} split is empty ({kept} kept, --eval-fraction "
-                                 f"{args.eval_fraction}); use more data or another --eval-fraction")
+                source = args.eval_data if name == "eval" and args.eval_data else args.data
+                hint = "" if args.eval_data else f", --eval-fraction {args.eval_fraction}); use more data or another --eval-fraction"
+                raise SystemExit(f"{source}: the {name} split is empty ({kept} kept{hint or ')'}")
 
     counts = assistant.as_dict()
     stats = {
         "data": args.data,
+        "eval_data": args.eval_data,
         "model": args.model,
         "revision": args.revision,
         "chat_template": args.chat_template,
@@ -283,6 +293,9 @@ def main(argv=None):
     p.add_argument("--rerendered-turns", choices=RERENDERED, default="own_sample",
                    help="assistant turns the template renders differently in history: their own sample, or "
                         "unmasked context of the whole conversation")
+    p.add_argument("--eval-data", default=None,
+                   help="token-exact samples that are the eval split (regenerate_eval_prompts' output); "
+                        "then every record of --data trains and --eval-fraction must be 0")
     p.add_argument("--eval-fraction", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -290,7 +303,9 @@ def main(argv=None):
         p.error(f"--max-samples must be >= 0, got {args.max_samples}")
     if args.max_length < 1:
         p.error(f"--max-length must be >= 1, got {args.max_length}")
-    if not 0 < args.eval_fraction < 1:
+    if args.eval_data is not None and args.eval_fraction != 0:
+        p.error(f"--eval-data is the eval split: --eval-fraction must be 0, got {args.eval_fraction}")
+    if args.eval_data is None and not 0 < args.eval_fraction < 1:
         p.error(f"--eval-fraction must be between 0 and 1 (exclusive), got {args.eval_fraction}")
     check_model_dir(args.model)
     prepare(args)
