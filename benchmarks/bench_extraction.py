@@ -180,7 +180,7 @@ def main() -> None:
     unknown = set(args.rows) - set(runs)
     if unknown:
         ap.error(f"--rows: unknown {sorted(unknown)}; known {list(runs)}")
-    from eaglepipe.extract_hidden_states import bytes_per_token
+    from eaglepipe.shards import bytes_per_token
 
     hidden = json.loads((work / "model" / "config.json").read_text())["hidden_size"]
     # the bf16 shards of all tokens, +20 % for vLLM's staged files

@@ -6,7 +6,7 @@
 Rows, same batch (per-sample pieces of 1,024 tokens, bf16) in one run, each written atomically
 with fsync into DIR (default: a temporary directory on the current disk):
   save_file      torch.isfinite check, torch.cat, safetensors.save_file, sha256 re-read (before)
-  write_shard    eaglepipe.extract_hidden_states.all_finite + shards.write_shard (pieces streamed,
+  write_shard    eaglepipe.shard_pipeline.all_finite + shards.write_shard (pieces streamed,
                  hashed while written)
   write_shard fp8  the same with fp8 aux storage
 Prints GiB/s and the ratio to the first row.
@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from eaglepipe import shards  # noqa: E402
 from eaglepipe.atomic import atomic_path, sha256_file  # noqa: E402
-from eaglepipe.extract_hidden_states import all_finite  # noqa: E402
+from eaglepipe.shard_pipeline import all_finite  # noqa: E402
 
 
 def before(path: Path, pieces, small) -> None:

@@ -6,7 +6,7 @@
 Each writer does what one of extraction's writers does for the vLLM backend: read a batch of
 vLLM-connector-like files (one safetensors file per sample, ``hidden_states [T, L, H]`` bf16 and
 ``token_ids``, written beforehand with safetensors' ``save_file`` as the connector does), check
-and pack them into one shard (``extract_hidden_states.pack_and_write``: finite check, pieces
+and pack them into one shard (``shard_pipeline.pack_and_write``: finite check, pieces
 streamed and hashed into the file, fsync, rename) and delete the inputs. N writers work N batches
 at once, as N threads of one process or as N processes (extraction's two writer pools:
 processes for vLLM's files, threads for the hf backend's tensors). Prints the
@@ -28,7 +28,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from eaglepipe.extract_hidden_states import Sample, pack_and_write  # noqa: E402
+from eaglepipe.shard_pipeline import pack_and_write  # noqa: E402
+from eaglepipe.tokenized_samples import PreparedSample  # noqa: E402
 from eaglepipe.writer_pool import POOLS, make_pool  # noqa: E402
 
 
@@ -48,7 +49,7 @@ def job(paths: list[str], out: str, layers: int, hidden: int) -> int:
         loaded.append((d["hidden_states"], d["token_ids"].tolist()))
         os.unlink(p)
     T = loaded[0][0].shape[0]
-    batch = [Sample(i, f"s{i}", list(range(T)), [1] * T) for i in range(len(paths))]
+    batch = [PreparedSample(i, f"s{i}", list(range(T)), [1] * T) for i in range(len(paths))]
     row, _ = pack_and_write(Path(out), "train", 0, batch, loaded, {}, "model", layers, hidden)
     os.unlink(out)
     return row["bytes"]

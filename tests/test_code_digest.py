@@ -29,5 +29,7 @@ def test_digest_changes_only_with_code_the_stage_runs(tmp_path):
 
 
 def test_real_stages_cover_their_shared_modules():
-    assert {"shards", "layers", "extract_hf", "extract_vllm"} <= set(module_closure(PKG, "extract_hidden_states"))
+    assert {"shards", "layers", "extract_hf", "extract_vllm", "shard_pipeline", "disk_budget",
+            "tokenized_samples"} <= set(module_closure(PKG, "extract_hidden_states"))
+    assert "tokenized_samples" in module_closure(PKG, "benchmark_serving")
     assert {"shards", "draft_model", "acceptance"} <= set(module_closure(PKG, "train_draft"))

@@ -8,10 +8,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import tiny
+from eaglepipe import disk_budget, shards
 from eaglepipe import extract_hidden_states as ehs
-from eaglepipe import shards
 from eaglepipe.extract_hf import HFExtractor
-from eaglepipe.extract_hidden_states import all_finite
+from eaglepipe.shard_pipeline import all_finite
 
 
 def reference(model_dir, seq):
@@ -176,7 +176,7 @@ def test_refuses_to_start_without_disk_space(tmp_path, tiny_llama, monkeypatch):
     from collections import namedtuple
 
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(ehs.shutil, "disk_usage", lambda p: usage(10 << 30, 10 << 30, 100 << 20))
+    monkeypatch.setattr(disk_budget.shutil, "disk_usage", lambda p: usage(10 << 30, 10 << 30, 100 << 20))
     with pytest.raises(SystemExit, match="not enough disk space in .*100.0 MiB is free"):
         cli(tmp_path, tiny_llama)
     assert not list((tmp_path / "hs" / "shards").glob("*.safetensors"))
@@ -205,8 +205,8 @@ def test_vllm_staging_on_another_filesystem_is_checked_on_its_own(tmp_path, tiny
     ram.mkdir()
     usage = namedtuple("usage", "total used free")
     free = {ram: 1 << 30}  # the shard disk has room, the RAM disk lacks it for the staged files
-    monkeypatch.setattr(ehs.shutil, "disk_usage", lambda p: usage(1 << 40, 0, free.get(p, 1 << 40)))
-    monkeypatch.setattr(ehs, "same_filesystem", lambda a, b: False)
+    monkeypatch.setattr(disk_budget.shutil, "disk_usage", lambda p: usage(1 << 40, 0, free.get(p, 1 << 40)))
+    monkeypatch.setattr(disk_budget, "same_filesystem", lambda a, b: False)
     with pytest.raises(SystemExit, match=f"not enough disk space in {ram}: vLLM's staged files"):
         cli(tmp_path, tiny_llama, "--backend", "vllm", "--staging-dir", str(ram))
     with pytest.raises(SystemExit):
@@ -219,19 +219,15 @@ def test_vllm_staging_auto_takes_the_ram_disk_only_with_room(tmp_path, monkeypat
 
     ram, shards_dir = tmp_path / "ram", tmp_path / "shards"
     ram.mkdir()
-    monkeypatch.setattr(ehs, "RAM_DISK", ram)
+    monkeypatch.setattr(disk_budget, "RAM_DISK", ram)
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(ehs.shutil, "disk_usage", lambda p: usage(8 << 30, 0, 4 << 30))
+    monkeypatch.setattr(disk_budget.shutil, "disk_usage", lambda p: usage(8 << 30, 0, 4 << 30))
 
-    def args(staging):
-        return ehs.parse_args(["--train", "t", "--eval", "e", "--model", "m", "--shard-dir", str(shards_dir),
-                               "--out", "o", "--replica", "1", "--replicas", "2", "--staging-dir", staging])
-
-    sub = ehs.staging_dir(args("auto"), shards_dir, 1 << 30)
+    sub = disk_budget.staging_dir("auto", 1, shards_dir, 1 << 30)
     assert sub.parent == ram and sub.name.endswith("-replica1")  # a subdirectory, never the RAM disk itself
-    assert ehs.staging_dir(args("auto"), shards_dir, 4 << 30) == shards_dir / ".staging-replica1"
-    assert ehs.staging_dir(args("shards"), shards_dir, 1) == shards_dir / ".staging-replica1"
-    mine = ehs.staging_dir(args(str(ram)), shards_dir, 1)
+    assert disk_budget.staging_dir("auto", 1, shards_dir, 4 << 30) == shards_dir / ".staging-replica1"
+    assert disk_budget.staging_dir("shards", 1, shards_dir, 1) == shards_dir / ".staging-replica1"
+    mine = disk_budget.staging_dir(str(ram), 1, shards_dir, 1)
     assert mine.parent == ram and mine != ram
 
 

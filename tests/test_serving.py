@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import pytest
 
 from eaglepipe import benchmark_serving as bs
-from eaglepipe.extract_hidden_states import read_samples
 from eaglepipe.serving_sweep import (acceptance, counter_delta, explain_divergences, first_difference, logit_ulp,
                                      near_tie_threshold, recommend, spec_counters, sweep_rows)
+from eaglepipe.tokenized_samples import read_prepared
 
 
 class FakeEngine:
@@ -258,9 +258,18 @@ def test_main_writes_serving_json_and_parity_samples(tmp_path, monkeypatch):
     assert row["identical_outputs_fraction"] == 0.5 and row["not_near_ties"] == 1
     assert res["parity_run"] == {"k": 3, "concurrency": 1, "requests": 2, "counters": counters(100, [60, 30, 30])}
     # the samples are what the extraction CLI reads: prompt + continuation, the mask on the continuation
-    got = read_samples(str(samples))
+    got = read_prepared(samples)
     assert [(s.id, s.input_ids, s.loss_mask) for s in got] == [
         ("c1-0", [1, 2, 5, 6, 1], [0, 0, 1, 1, 1]), ("c1-1", [4, 4, 4], [0, 1, 1])]
+
+
+def test_load_prompts_reads_prepared_samples_no_further_than_needed(tmp_path):
+    prompts = tmp_path / "eval.jsonl"
+    good = [json.dumps({"id": f"s{i}", "input_ids": [1, 2, 3 + i], "loss_mask": [0, 0, 1]}) for i in range(2)]
+    prompts.write_text("\n".join([*good, "not json"]) + "\n")
+    assert bs.load_prompts(prompts, 2) == ([[1, 2], [1, 2]], {})
+    with pytest.raises(SystemExit, match=f"{prompts} line 3: not valid JSON"):
+        bs.load_prompts(prompts, 3)
 
 
 @pytest.mark.parametrize("args, message", [

@@ -7,7 +7,7 @@ import torch
 import xxhash
 
 from eaglepipe import shards
-from eaglepipe.extract_hidden_states import bytes_per_token
+from eaglepipe.shards import bytes_per_token
 
 
 def make_batch(lengths=(5, 3, 7), L=4, H=32, seed=0):

@@ -35,6 +35,7 @@ from pathlib import Path
 from .atomic import atomic_path, write_json
 from .serving_sweep import (CONVENTION, counter_delta, explain_divergences, parity_samples, recommend,
                             spec_counters, sweep_rows, window_done)
+from .tokenized_samples import iter_prepared
 from .vllm_env import set_vllm_env_defaults
 
 ENGINE_WARMUP_TOKENS = 16
@@ -51,26 +52,15 @@ def log(msg: str) -> None:
 def load_prompts(path: str | os.PathLike, num_prompts: int) -> tuple[list[list[int]], Counter]:
     """The first ``num_prompts`` usable prompts: input_ids before the first loss-masked token."""
     prompts, skipped = [], Counter()
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if len(prompts) == num_prompts:
-                break
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-                ids, mask = rec["input_ids"], rec["loss_mask"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise SystemExit(f"{path}:{n}: expected a JSON object with input_ids and loss_mask ({e})") from None
-            if len(ids) != len(mask):
-                raise SystemExit(f"{path}:{n}: input_ids has {len(ids)} tokens, loss_mask {len(mask)}")
-            first = next((i for i, m in enumerate(mask) if m), None)
-            if first is None:
-                skipped["no assistant token"] += 1
-            elif first == 0:
-                skipped["empty prompt"] += 1
-            else:
-                prompts.append([int(t) for t in ids[:first]])
+    samples = iter_prepared(path)  # read no further than needed
+    while len(prompts) < num_prompts and (sample := next(samples, None)) is not None:
+        first = next((i for i, m in enumerate(sample.loss_mask) if m), None)
+        if first is None:
+            skipped["no assistant token"] += 1
+        elif first == 0:
+            skipped["empty prompt"] += 1
+        else:
+            prompts.append(sample.input_ids[:first])
     if not prompts:
         raise SystemExit(f"{path}: no usable prompt (skipped: {dict(skipped) or 'file is empty'})")
     return prompts, skipped

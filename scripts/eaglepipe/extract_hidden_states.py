@@ -10,6 +10,10 @@ Each split is cut into consecutive batches of --batch-size samples, one shard pe
 model is loaded once. A rerun reuses every shard that is complete and was made from the same
 settings and the same samples, so a crash costs one model load, not the work done. The output is
 a part manifest that ``eaglepipe.gather_manifest`` merges.
+
+This module holds the flags, the plan and the order of work; the samples are read by
+``tokenized_samples``, batches become shards in ``shard_pipeline``, the disk room is checked in
+``disk_budget``, and ``shards`` owns the shard format.
 """
 
 from __future__ import annotations
@@ -18,23 +22,19 @@ import argparse
 import hashlib
 import json
 import os
-import shutil
 import sys
 import time
-from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
-from . import shards
-from .atomic import read_json_object, remove_stale_temporaries
-from .checksum import CHECKSUM
+from . import disk_budget, shards
+from .atomic import remove_stale_temporaries
 from .dir_lock import dir_lock
 from .model_dir import check_model_dir
 from .layers import CONVENTION, resolve_layer_ids
-from .progress import TokenProgress
+from .shard_pipeline import extract, reusable_row, writer_count
+from .tokenized_samples import read_prepared
 from .units import human_bytes
 from .writer_pool import POOLS, make_pool
 
@@ -42,55 +42,10 @@ SPLITS = ("train", "eval")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "tiktoken.model",
                    "special_tokens_map.json", "chat_template.jinja")
-DISK_MARGIN = 1.05
-DISK_RESERVE = 1 << 30
-MAX_WRITERS = 8
-WRITER_MEMORY = 32 << 30
-RAM_DISK = Path("/dev/shm")
 
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-@dataclass
-class Sample:
-    index: int  # position in its split's file, stored as the shard's sample_index
-    id: str
-    input_ids: list[int]
-    loss_mask: list[int]
-
-
-def read_samples(path: str) -> list[Sample]:
-    """Tokenized JSONL from prepare_data; any malformed record is an error naming file and line."""
-    out: list[Sample] = []
-    seen: dict[str, int] = {}
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path} line {lineno}"
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise SystemExit(f"{where}: not valid JSON ({e})") from e
-            if not isinstance(rec, dict):
-                raise SystemExit(f"{where}: expected an object with id, input_ids, loss_mask")
-            for key in ("id", "input_ids", "loss_mask"):
-                if key not in rec:
-                    raise SystemExit(f"{where}: missing field {key!r} (need id, input_ids, loss_mask)")
-            ids, mask = rec["input_ids"], rec["loss_mask"]
-            if not isinstance(ids, list) or not ids or not all(type(t) is int and t >= 0 for t in ids):
-                raise SystemExit(f"{where}: field 'input_ids' must be a non-empty list of token ids >= 0")
-            if not isinstance(mask, list) or len(mask) != len(ids) or not all(m in (0, 1) for m in mask):
-                raise SystemExit(f"{where}: field 'loss_mask' must be a list of 0/1 as long as input_ids "
-                                 f"({len(ids)}), got {len(mask) if isinstance(mask, list) else type(mask).__name__}")
-            sid = str(rec["id"])
-            if sid in seen:
-                raise SystemExit(f"{where}: id {sid!r} repeats line {seen[sid]}; ids must be unique")
-            seen[sid] = lineno
-            out.append(Sample(len(out), sid, ids, mask))
-    return out
 
 
 def parse_layer_ids(text: str, num_hidden_layers: int) -> list[int]:
@@ -99,15 +54,6 @@ def parse_layer_ids(text: str, num_hidden_layers: int) -> list[int]:
         return resolve_layer_ids(configured, num_hidden_layers)
     except ValueError as e:
         raise SystemExit(f"--layer-ids {text}: {e}") from e
-
-
-def bytes_per_token(num_layers: int, hidden: int, dtype_bytes: int, storage: str) -> int:
-    """Shard bytes per token: states (fp8: aux 1 B + a 4 B scale per layer) + input_ids + loss_mask."""
-    if storage == "fp8":
-        states = (num_layers - 1) * (hidden + 4) + hidden * dtype_bytes
-    else:
-        states = num_layers * hidden * dtype_bytes
-    return states + 8 + 1
 
 
 def tokenizer_digest(model: str, revision: str | None) -> str | None:
@@ -156,157 +102,6 @@ def settings_of(args, layer_ids: list[int], tokenizer: str | None) -> dict:
     return s
 
 
-def shard_name(split: str, batch: int) -> str:
-    return f"{split}-{batch:06d}.safetensors"
-
-
-def reusable_row(path: Path, batch: list[Sample], digest: str, num_layers: int, hidden: int):
-    """The manifest row of an existing intact shard that holds exactly this batch with these
-    settings, else None (a damaged one is logged)."""
-    if not path.is_file():
-        return None
-    problem = shards.recorded_damage(path)
-    if problem:
-        log(f"shard {path} {problem}: rebuilding it")
-        return None
-    if not shards.shard_is_valid(path):
-        return None
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = json.loads(f.metadata()["eaglepipe"])
-            if meta.get("settings_digest") != digest:
-                return None
-            skipped = {s["id"] for s in meta.get("skipped", [])}
-            kept = [s for s in batch if s.id not in skipped]
-            if meta.get("sample_ids") != [s.id for s in kept] or len(skipped) + len(kept) != len(batch):
-                return None
-            if f.get_tensor("sample_index").tolist() != [s.index for s in kept]:
-                return None
-            if f.get_tensor("input_ids").tolist() != [t for s in kept for t in s.input_ids]:
-                return None
-            if f.get_tensor("loss_mask").tolist() != [m for s in kept for m in s.loss_mask]:
-                return None
-            T = sum(len(s.input_ids) for s in kept)
-            if "hidden_states" in f.keys():
-                ok = f.get_slice("hidden_states").get_shape() == [T, num_layers, hidden]
-            else:
-                ok = (f.get_slice("aux_fp8").get_shape() == [T, num_layers - 1, hidden]
-                      and f.get_slice("final").get_shape() == [T, hidden])
-            if not ok:
-                return None
-    except Exception:  # unreadable in any way: rewrite it
-        return None
-    checksum = read_json_object(shards.checksum_path(path), "shard checksum")[CHECKSUM]  # just verified
-    return {"file": path.name, "samples": len(kept), "tokens": T, "bytes": path.stat().st_size,
-            CHECKSUM: checksum}, meta.get("skipped", [])
-
-
-def all_finite(x: torch.Tensor) -> bool:
-    """Exact, and ~45x faster than ``isfinite(x).all()`` on 256 MiB of bf16 (2 cores, 9 vs 433 ms):
-    a NaN or inf makes the sum non-finite, so a finite sum proves every element finite; only a
-    non-finite sum (the rare case, or an overflow of huge finite values) pays for the
-    element-wise check."""
-    return bool(torch.isfinite(x.sum())) or bool(torch.isfinite(x).all())
-
-
-def pack_and_write(path: Path, split: str, b: int, batch: list[Sample], loaded, meta: dict,
-                   storage: str, num_layers: int, hidden: int):
-    """Check the backend's states against the batch, pack them into one shard; return (row, skipped)."""
-    if len(loaded) != len(batch):
-        raise RuntimeError(f"{split} batch {b}: the backend returned {len(loaded)} results for {len(batch)} samples")
-    kept, states, skipped = [], [], []
-    for s, (hs, token_ids) in zip(batch, loaded):
-        where = f"sample {s.id!r} ({split} record {s.index})"
-        if token_ids is not None and token_ids != s.input_ids:
-            raise SystemExit(f"{where}: the backend saw other token ids than the input "
-                             f"({len(token_ids)} vs {len(s.input_ids)} tokens)")
-        if tuple(hs.shape) != (len(s.input_ids), num_layers, hidden):
-            raise SystemExit(f"{where}: hidden states of shape {tuple(hs.shape)}, expected "
-                             f"({len(s.input_ids)} tokens, {num_layers} layers, {hidden})")
-        if not all_finite(hs):
-            skipped.append({"split": split, "batch": b, "index": s.index, "id": s.id,
-                            "reason": "non-finite hidden states"})
-            continue
-        kept.append(s)
-        states.append(hs)
-    if not kept:
-        path.unlink(missing_ok=True)
-        shards.checksum_path(path).unlink(missing_ok=True)
-        return None, skipped
-    offsets = [0]
-    for s in kept:
-        offsets.append(offsets[-1] + len(s.input_ids))
-    row = shards.write_shard(
-        path,
-        hidden_states=states,
-        input_ids=torch.tensor([t for s in kept for t in s.input_ids]),
-        loss_mask=torch.tensor([m for s in kept for m in s.loss_mask]),
-        sample_index=torch.tensor([s.index for s in kept]),
-        offsets=torch.tensor(offsets),
-        metadata=dict(meta, split=split, batch=b, sample_ids=[s.id for s in kept], skipped=skipped),
-        storage_dtype=storage,
-    )
-    return row, skipped
-
-
-def write_batch(path: Path, split: str, b: int, batch: list[Sample], loader, meta: dict, storage: str,
-                num_layers: int, hidden: int):
-    """One writer's job (a thread's or a process's): take the backend's output, write the shard;
-    return ((row, skipped), seconds taking the output, seconds checking and writing)."""
-    t0 = time.perf_counter()
-    loaded = loader()
-    t1 = time.perf_counter()
-    result = pack_and_write(path, split, b, batch, loaded, meta, storage, num_layers, hidden)
-    return result, t1 - t0, time.perf_counter() - t1
-
-
-def extract(backend, pool, writers: int, jobs: list[tuple[str, int, list[Sample]]], shard_dir: Path,
-            meta: dict, storage: str, num_layers: int, hidden: int):
-    """Stream the jobs' batches through the backend into the writers, at most 2 x writers batches
-    ahead of them; return ([(split, batch, row or None, skipped)], throughput with the time split)."""
-    by_key = {(split, b): batch for split, b, batch in jobs}
-    done = []
-    # where the time goes: in the backend (the GPU's share) or blocked on the writers; the tail
-    # after the last batch is the writers' alone. The writers' own time, summed over them, splits
-    # into taking the backend's output (for vLLM: waiting for the connector to finish its files)
-    # and checking + writing shards (checksums, disk)
-    busy = {"backend_s": 0.0, "writers_wait_s": 0.0, "writers_load_s": 0.0, "writers_write_s": 0.0}
-    with TokenProgress(sum(len(s.input_ids) for *_, batch in jobs for s in batch), "extract") as bar:
-
-        def finish(key, future):
-            (row, skip), load_s, write_s = future.result()
-            busy["writers_load_s"] += load_s
-            busy["writers_write_s"] += write_s
-            done.append((*key, row, skip))
-            bar.update(sum(len(s.input_ids) for s in by_key[key]), shards=len(done))
-
-        def timed(key: str, fn, *a):
-            t = time.perf_counter()
-            try:
-                return fn(*a)
-            finally:
-                busy[key] += time.perf_counter() - t
-
-        pending: deque = deque()
-        items = backend.batches((key, [s.input_ids for s in batch]) for key, batch in by_key.items())
-        try:
-            while (item := timed("backend_s", next, items, None)) is not None:
-                (split, b), loader = item
-                pending.append(((split, b), pool.submit(write_batch, shard_dir / shard_name(split, b), split, b,
-                                                        by_key[split, b], loader, meta, storage, num_layers,
-                                                        hidden)))
-                while pending and (len(pending) > 2 * writers or pending[0][1].done()):
-                    timed("writers_wait_s", finish, *pending.popleft())
-            t_tail = time.perf_counter()
-            while pending:
-                finish(*pending.popleft())
-            busy["tail_s"] = time.perf_counter() - t_tail
-        except BaseException:
-            pool.shutdown(cancel_futures=True)
-            raise
-        return done, dict(bar.summary(), writers=writers, **{k: round(v, 3) for k, v in busy.items()})
-
-
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--train", required=True, help="tokenized train JSONL {id, input_ids, loss_mask}")
@@ -325,8 +120,8 @@ def parse_args(argv=None):
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="vllm backend only")
     ap.add_argument("--enforce-eager", action="store_true", help="vllm backend only")
     ap.add_argument("--staging-dir", default="auto",
-                    help="vllm backend: where vLLM's per-request files wait to be packed: auto (the RAM "
-                         f"disk {RAM_DISK} when it has room, else the shard directory), shards, or a directory")
+                    help="vllm backend: where vLLM's per-request files wait to be packed: auto (the RAM disk "
+                         f"{disk_budget.RAM_DISK} when it has room, else the shard directory), shards, or a directory")
     ap.add_argument("--connector-threads", type=int, default=None,
                     help="vllm backend: threads of vLLM's connector writing its per-request files "
                          "(default: vLLM's, 8 in 0.26.0)")
@@ -347,33 +142,6 @@ def parse_args(argv=None):
     if args.connector_threads is not None and args.connector_threads < 1:
         ap.error(f"--connector-threads {args.connector_threads}: must be >= 1")
     return args
-
-
-def same_filesystem(a: Path, b: Path) -> bool:
-    return os.stat(a).st_dev == os.stat(b).st_dev
-
-
-def has_room(where: Path, need: int) -> bool:
-    """Room for ``need`` bytes in ``where`` with a 5 % and 1 GiB margin."""
-    return need * DISK_MARGIN + DISK_RESERVE <= shutil.disk_usage(where).free
-
-
-def staging_dir(args, shard_dir: Path, staged_bytes: int) -> Path:
-    """This replica's own subdirectory for vLLM's per-request files (emptied at start, removed at the end).
-
-    On the shard disk these transient files compete with the shards for its bandwidth: on the
-    H200 the default 'auto' (RAM disk) took extraction from 48k to 80k tok/s, the disk's bound.
-    """
-    if args.staging_dir == "auto":
-        root = RAM_DISK if RAM_DISK.is_dir() and has_room(RAM_DISK, staged_bytes) else shard_dir
-    elif args.staging_dir == "shards":
-        root = shard_dir
-    else:
-        root = Path(args.staging_dir)
-    if root == shard_dir:
-        return shard_dir / f".staging-replica{args.replica}"
-    tag = hashlib.sha256(str(shard_dir.resolve()).encode()).hexdigest()[:8]
-    return root / f"eaglepipe-staging-{tag}-replica{args.replica}"
 
 
 def load_backend(args, layer_ids, num_hidden_layers, staging: Path | None):
@@ -420,7 +188,7 @@ def run(args) -> None:
         log(f"removed {stale} stale temporary files from {shard_dir}")
 
     # ---- plan: every split's batches, this replica's share, what can be reused
-    data = {"train": read_samples(args.train), "eval": read_samples(args.eval)}
+    data = {"train": read_prepared(args.train), "eval": read_prepared(args.eval)}
     for split, samples in data.items():
         for s in samples:
             if max(s.input_ids) >= V:
@@ -437,7 +205,7 @@ def run(args) -> None:
     skipped: list[dict] = []
     todo = []
     for split, b in mine:
-        found = reusable_row(shard_dir / shard_name(split, b), batches[split][b], settings["digest"], L, H)
+        found = reusable_row(shard_dir / shards.shard_name(split, b), batches[split][b], settings["digest"], L, H)
         if found:
             rows[split].append(dict(found[0], batch=b))
             skipped += found[1]
@@ -446,7 +214,7 @@ def run(args) -> None:
     n_reused = len(mine) - len(todo)
 
     dtype_bytes = DTYPES[args.dtype].itemsize
-    bpt = bytes_per_token(L, H, dtype_bytes, args.storage_dtype)
+    bpt = shards.bytes_per_token(L, H, dtype_bytes, args.storage_dtype)
     tokens_mine = sum(len(s.input_ids) for split, b in mine for s in batches[split][b])
     tokens_todo = sum(len(s.input_ids) for split, b in todo for s in batches[split][b])
     n_all = {split: len(data[split]) for split in SPLITS}
@@ -460,31 +228,17 @@ def run(args) -> None:
         + f", {bpt} B with input_ids and loss_mask")
     log(f"projected size: {human_bytes(tokens_mine * bpt)} for this replica; {n_reused} shards reusable, "
         f"{len(todo)} to write ({tokens_todo} tokens, {human_bytes(tokens_todo * bpt)})")
-    # GPU: several writers check and write while the GPU runs on, as many as WRITER_MEMORY allows
-    # (each holds its batch as loaded, plus fp8 copies); CPU: one, cores are scarce
     batch_tokens = max((sum(len(s.input_ids) for s in batches[sp][b]) for sp, b in todo), default=0)
-    writers = 1 if args.backend == "hf" and args.device == "cpu" else \
-        max(1, min(MAX_WRITERS, WRITER_MEMORY // max(1, 2 * batch_tokens * L * H * dtype_bytes)))
-    needs = {shard_dir: (tokens_todo * bpt, "the shards still to write")}
-    staging = None
+    writers = writer_count(args.backend == "hf" and args.device == "cpu", batch_tokens, L * H * dtype_bytes)
+    staging, staged = None, 0
     if args.backend == "vllm":
         from .extract_vllm import LOOKAHEAD_TOKENS
 
-        # vLLM's files wait from generation until a writer takes them: the queue of 2 x writers
-        # batches, the batch being handed over, and what is queued in the engine (the lookahead,
-        # overshot by up to one batch)
-        staged = min(tokens_todo, (2 * writers + 2) * batch_tokens + LOOKAHEAD_TOKENS) * L * H * dtype_bytes
-        staging = staging_dir(args, shard_dir, staged)
-        if same_filesystem(staging.parent, shard_dir):
-            needs[shard_dir] = (needs[shard_dir][0] + staged, "the shards still to write and vLLM's staging")
-        else:
-            needs[staging.parent] = (staged, "vLLM's staged files")
+        staged = disk_budget.staged_bytes(tokens_todo, batch_tokens, writers, LOOKAHEAD_TOKENS, L * H * dtype_bytes)
+        staging = disk_budget.staging_dir(args.staging_dir, args.replica, shard_dir, staged)
         log(f"vLLM staging: {staging} (up to {human_bytes(staged)})")
-    for where, (need, what) in needs.items():
-        if todo and not has_room(where, need):
-            raise SystemExit(f"not enough disk space in {where}: {what} need {human_bytes(need)} (plus 5% and "
-                             f"1 GiB margin), {human_bytes(shutil.disk_usage(where).free)} is free; free space, move "
-                             f"the shard or staging directory or use extract.storage_dtype fp8")
+    if todo:
+        disk_budget.check_room(shard_dir, tokens_todo * bpt, staging, staged)
 
     # ---- extract what is missing
     meta = {"layer_ids": layer_ids, "layer_convention": CONVENTION,
@@ -526,12 +280,7 @@ def run(args) -> None:
 
     # ---- part manifest
     out = Path(args.out)
-    splits = {}
-    for split in SPLITS:
-        rs = sorted(rows[split], key=lambda r: r["batch"])
-        splits[split] = {"shards": rs, "empty_batches": sorted(empty[split]),
-                         "samples": sum(r["samples"] for r in rs), "tokens": sum(r["tokens"] for r in rs),
-                         "bytes": sum(r["bytes"] for r in rs)}
+    splits = {split: shards.split_summary(rows[split], empty[split]) for split in SPLITS}
     manifest = {
         "target": {"model": args.model, "revision": args.revision, "num_hidden_layers": N,
                    "hidden_size": H, "vocab_size": V, "dtype": args.dtype},

@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-from .shards import load_manifest, shard_paths, write_manifest
+from .shards import load_manifest, shard_paths, split_summary, write_manifest
 
 SAME = ("target", "layer_ids", "layer_convention", "storage_dtype", "settings")
 
@@ -74,10 +74,7 @@ def gather(parts: list[str | os.PathLike], out: str | os.PathLike) -> dict:
         extra = sorted(set(owner) - set(range(total)))
         if extra:
             raise ValueError(f"{split}: batches {extra} are outside the plan of {total} batches")
-        rows.sort(key=lambda r: r["batch"])
-        splits[split] = {"shards": rows, "empty_batches": sorted(empty),
-                         "samples": sum(r["samples"] for r in rows), "tokens": sum(r["tokens"] for r in rows),
-                         "bytes": sum(r["bytes"] for r in rows)}
+        splits[split] = split_summary(rows, empty)
 
     per_replica = [dict(m["throughput"], replica=m["replica"]["index"]) for m in ms]
     backends = sorted({m["backend"] for m in ms})

@@ -37,6 +37,20 @@ STORAGE_DTYPES = ("model", "fp8")
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
 FP8_CHUNK_ELEMENTS = 1 << 20
+METADATA_KEY = "eaglepipe"
+
+
+def shard_name(split: str, batch: int) -> str:
+    return f"{split}-{batch:06d}.safetensors"
+
+
+def bytes_per_token(num_layers: int, hidden: int, dtype_bytes: int, storage: str) -> int:
+    """Shard bytes per token: states (fp8: aux 1 B + a 4 B scale per layer) + input_ids + loss_mask."""
+    if storage == "fp8":
+        states = (num_layers - 1) * (hidden + 4) + hidden * dtype_bytes
+    else:
+        states = num_layers * hidden * dtype_bytes
+    return states + 8 + 1
 
 
 @dataclass
@@ -128,20 +142,37 @@ def write_shard(
                 model_dtype=str(pieces[0].dtype).removeprefix("torch."))
     try:
         with atomic_path(path) as tmp:
-            size, checksum = save_pieces(tmp, tensors, metadata={"eaglepipe": json.dumps(meta)})
+            size, checksum = save_pieces(tmp, tensors, metadata={METADATA_KEY: json.dumps(meta)})
         # after the shard: a kill in between leaves a shard without its record, which is rebuilt
         write_json(checksum_path(path), {"bytes": size, CHECKSUM: checksum})
     except OSError as e:
         raise SystemExit(f"cannot write shard {path}: {e.strerror or e}; free space in {Path(path).parent} "
                          "(or move the shard directory) and rerun: complete shards are reused") from e
-    return {"file": Path(path).name, "samples": int(sample_index.numel()), "tokens": int(T),
-            "bytes": size, CHECKSUM: checksum}
+    return manifest_row(path, int(sample_index.numel()), int(T), size, checksum)
+
+
+def manifest_row(path: str | os.PathLike, samples: int, tokens: int, size: int, checksum: str) -> dict:
+    return {"file": Path(path).name, "samples": samples, "tokens": tokens, "bytes": size, CHECKSUM: checksum}
+
+
+def read_metadata(f) -> dict:
+    """The ``eaglepipe`` header metadata of a shard opened with ``safe_open``."""
+    return json.loads(f.metadata()[METADATA_KEY])
+
+
+def holds_states(f, tokens: int, num_layers: int, hidden: int) -> bool:
+    """Whether a shard opened with ``safe_open`` holds [tokens, num_layers, hidden] hidden states,
+    in either storage layout (read from the header: no tensor is loaded)."""
+    if "hidden_states" in f.keys():
+        return f.get_slice("hidden_states").get_shape() == [tokens, num_layers, hidden]
+    return (f.get_slice("aux_fp8").get_shape() == [tokens, num_layers - 1, hidden]
+            and f.get_slice("final").get_shape() == [tokens, hidden])
 
 
 def read_shard(path: str | os.PathLike) -> Shard:
     """Memory-mapped read; fp8 shards come back dequantized to the model dtype."""
     with safe_open(str(path), framework="pt") as f:
-        meta = json.loads(f.metadata()["eaglepipe"])
+        meta = read_metadata(f)
         if meta.get("format_version") != FORMAT_VERSION:
             raise ValueError(f"shard {path}: format version {meta.get('format_version')}, "
                              f"this reader knows {FORMAT_VERSION}")
@@ -166,11 +197,16 @@ def checksum_path(path: str | os.PathLike) -> Path:
     return Path(path).with_name(Path(path).name + ".checksum")
 
 
+def recorded_checksum(path: str | os.PathLike) -> dict:
+    """The size and checksum written beside the shard (``<shard>.checksum``); ValueError if unreadable."""
+    return read_json_object(checksum_path(path), "shard checksum")
+
+
 def recorded_damage(path: str | os.PathLike) -> str | None:
     """How a shard differs from the size and checksum recorded when it was written, or None."""
     path = Path(path)
     try:
-        recorded = read_json_object(checksum_path(path), "shard checksum")
+        recorded = recorded_checksum(path)
     except ValueError:
         return f"has no readable record {checksum_path(path).name} of its checksum"
     if recorded.get("bytes") != path.stat().st_size:
@@ -190,7 +226,7 @@ def shard_is_valid(path: str | os.PathLike, row: dict | None = None) -> bool:
             return False
     try:
         with safe_open(str(path), framework="pt") as f:
-            json.loads(f.metadata()["eaglepipe"])
+            read_metadata(f)
             offsets = f.get_slice("offsets")
             ids = f.get_slice("input_ids")
             n_off = offsets.get_shape()[0]
@@ -203,6 +239,15 @@ def shard_is_valid(path: str | os.PathLike, row: dict | None = None) -> bool:
 def write_manifest(path: str | os.PathLike, manifest: dict) -> None:
     manifest = dict(manifest, format_version=FORMAT_VERSION)
     write_json(path, manifest)
+
+
+def split_summary(rows: list[dict], empty_batches: list[int]) -> dict:
+    """A split's manifest entry: its shards' rows in batch order, the batches that kept no sample
+    (every sample skipped), and the totals."""
+    rows = sorted(rows, key=lambda r: r["batch"])
+    return {"shards": rows, "empty_batches": sorted(empty_batches),
+            "samples": sum(r["samples"] for r in rows), "tokens": sum(r["tokens"] for r in rows),
+            "bytes": sum(r["bytes"] for r in rows)}
 
 
 def load_manifest(path: str | os.PathLike) -> dict:

@@ -1,6 +1,12 @@
-"""Token-exact samples: the file regenerate_responses writes and prepare_data takes as it is.
+"""Tokenized samples: the two JSONL record forms that carry token ids and a loss mask.
 
-One JSON object per line: ``id`` (unique), ``conversation`` (the source conversation's id: the
+Prepared samples, the files prepare_data writes (train/eval) and benchmark_serving's parity
+samples: one JSON object per line, ``{id, input_ids, loss_mask}``, ids unique within the file.
+Extraction reads them (``read_prepared``, strict: a malformed line is an error), and so does
+benchmark_serving for its prompts (``iter_prepared``).
+
+Token-exact samples, the file regenerate_responses writes and prepare_data takes as it is:
+one JSON object per line: ``id`` (unique), ``conversation`` (the source conversation's id: the
 train/eval split is drawn by it, so all samples of one conversation land in the same split, the
 one prepare_data gives the original chat: regenerated and original data split alike),
 ``input_ids``, ``loss_mask`` (1 on the tokens the target generated), and fields for people that
@@ -10,7 +16,9 @@ readers ignore (``mode``, ``answers``). Nothing is re-tokenized, so no mask can 
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, NamedTuple
 
@@ -43,6 +51,18 @@ def as_encoded(sample: Tokenized) -> Encoded:
     return Encoded([whole], parts, len(parts), Counter(), Counter(), 0)
 
 
+def _json_lines(path: str | os.PathLike) -> Iterator[tuple[int, object]]:
+    """(line number, the parsed record or its ``json.JSONDecodeError``) of each non-blank line."""
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    record = e
+                yield line_no, record
+
+
 def _is_id_list(value) -> bool:
     return isinstance(value, list) and all(type(t) is int and t >= 0 for t in value)
 
@@ -70,14 +90,47 @@ def iter_tokenized(path: str) -> Iterator[Tokenized | Skip]:
     """Yield a ``Tokenized`` or a ``Skip`` for every line of ``path`` in file order."""
     if not Path(path).is_file():
         raise SystemExit(f"token-exact sample file {path} does not exist")
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            source = f"{path}:{line_no}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                yield Skip(source, "bad_json", f"{source}: not valid JSON ({e.msg} at column {e.colno})")
-                continue
+    for line_no, record in _json_lines(path):
+        source = f"{path}:{line_no}"
+        if isinstance(record, json.JSONDecodeError):
+            yield Skip(source, "bad_json", f"{source}: not valid JSON ({record.msg} at column {record.colno})")
+        else:
             yield validate(record, source)
+
+
+@dataclass
+class PreparedSample:
+    index: int  # position in its file (extraction stores it as the shard's sample_index)
+    id: str
+    input_ids: list[int]
+    loss_mask: list[int]
+
+
+def iter_prepared(path: str | os.PathLike) -> Iterator[PreparedSample]:
+    """The prepared samples of ``path`` in file order; a malformed record is an error naming file
+    and line (lazily: a reader that stops early never sees the lines after)."""
+    seen: dict[str, int] = {}
+    for lineno, rec in _json_lines(path):
+        where = f"{path} line {lineno}"
+        if isinstance(rec, json.JSONDecodeError):
+            raise SystemExit(f"{where}: not valid JSON ({rec})") from rec
+        if not isinstance(rec, dict):
+            raise SystemExit(f"{where}: expected an object with id, input_ids, loss_mask")
+        for key in ("id", "input_ids", "loss_mask"):
+            if key not in rec:
+                raise SystemExit(f"{where}: missing field {key!r} (need id, input_ids, loss_mask)")
+        ids, mask = rec["input_ids"], rec["loss_mask"]
+        if not _is_id_list(ids) or not ids:
+            raise SystemExit(f"{where}: field 'input_ids' must be a non-empty list of token ids >= 0")
+        if not isinstance(mask, list) or len(mask) != len(ids) or not all(m in (0, 1) for m in mask):
+            raise SystemExit(f"{where}: field 'loss_mask' must be a list of 0/1 as long as input_ids "
+                             f"({len(ids)}), got {len(mask) if isinstance(mask, list) else type(mask).__name__}")
+        sid = str(rec["id"])
+        if sid in seen:
+            raise SystemExit(f"{where}: id {sid!r} repeats line {seen[sid]}; ids must be unique")
+        yield PreparedSample(len(seen), sid, ids, mask)
+        seen[sid] = lineno
+
+
+def read_prepared(path: str | os.PathLike) -> list[PreparedSample]:
+    return list(iter_prepared(path))
