@@ -12,7 +12,8 @@
 #
 # Needs vLLM 0.26.0 and speculators 0.9.0 importable: from $SITE (default /tmp/site, filled with
 # `pip install --target`) or an environment set up by `gpu_pipeline.sh start`.
-# Env: WORK (default /tmp/mla), OUT (default /tmp/out), STEPS (train steps, default 300), K (3).
+# Env: WORK (default /tmp/mla), OUT (default /tmp/out), STEPS (train steps, default 300), K (3),
+# GPU_UTIL (the serving engine's share of GPU memory, default 0.9; lower it to share the GPU).
 # Every step is skipped when its output exists: a call cut at its time limit continues when repeated.
 # Results in $OUT: summary.txt (steps, resolved architectures, vLLM vs offline acceptance),
 # serving.json, parity.json, logs.tar.gz.
@@ -71,7 +72,7 @@ step prompts "$W/data/prompts.jsonl" python3 benchmarks/mla_draft_check.py promp
 step serve "$W/serving.json" python3 -m eaglepipe.benchmark_serving --model "$W/target" --draft "$W/draft" \
   --prompts "$W/data/prompts.jsonl" --num-prompts 32 --max-tokens 128 --concurrency 1 --k "$K" \
   --min-seconds 5 --min-output-tokens 1000 --parity-k "$K" --parity-min-requests 16 \
-  --out "$W/serving.json" --parity-samples "$W/parity_samples.jsonl"
+  --gpu-memory-utilization "${GPU_UTIL:-0.9}" --out "$W/serving.json" --parity-samples "$W/parity_samples.jsonl"
 grep -h "Resolved architecture\|^benchmark_serving:" "$W/serve.log" | tee -a "$W/summary.txt"
 # offline replay of the tokens vLLM served: their hidden states, then our estimator against vLLM's counters
 extract extract_parity "$W/no_train.jsonl" "$W/parity_samples.jsonl" "$W/hs_parity"

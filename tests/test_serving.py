@@ -276,6 +276,7 @@ def test_load_prompts_reads_prepared_samples_no_further_than_needed(tmp_path):
     (["--parity-k", "4"], "--parity-k 4 is not among --k"),
     (["--concurrency", "4,16"], "lacks 1"),
     (["--k", "0,1"], "distinct integers >= 1"),
+    (["--gpu-memory-utilization", "1.5"], "must be in (0, 1]"),
 ])
 def test_cli_rejects_bad_settings(tmp_path, capsys, args, message):
     draft = tmp_path / "draft"

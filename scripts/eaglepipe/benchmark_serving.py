@@ -165,6 +165,7 @@ def run_engine(settings: dict, prompts: list[list[int]], k: int | None, result_p
     llm = LLM(
         model=settings["model"], tensor_parallel_size=settings["tensor_parallel_size"],
         trust_remote_code=settings["trust_remote_code"], dtype=settings["dtype"], seed=0,
+        gpu_memory_utilization=settings["gpu_memory_utilization"],
         max_model_len=max(map(len, prompts)) + settings["max_tokens"] + (k or 0) + 1,
         # every request pays its own prefill, as distinct user prompts would (the prompts cycle)
         enable_prefix_caching=False,
@@ -302,12 +303,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="that window lasts until at least this many requests finished")
     p.add_argument("--near-tie-ulps", type=float, default=4.0)
     p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="the share of each GPU's memory one engine may take (weights, activations, KV cache)")
     p.add_argument("--out", required=True, help="serving.json")
     p.add_argument("--parity-samples", required=True, help="JSONL of the parity window's sequences")
     a = p.parse_args(argv)
     for flag in ("num_prompts", "max_tokens", "tensor_parallel_size", "min_output_tokens", "parity_min_requests"):
         if getattr(a, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} {getattr(a, flag)}: must be at least 1")
+    if not 0 < a.gpu_memory_utilization <= 1:
+        p.error(f"--gpu-memory-utilization {a.gpu_memory_utilization}: must be in (0, 1]")
     if a.min_seconds <= 0 or a.near_tie_ulps <= 0:
         p.error("--min-seconds and --near-tie-ulps must be positive")
     if a.parity_k not in a.k:
@@ -330,7 +335,8 @@ def main(argv: list[str] | None = None) -> None:
     log(f"{len(prompts)} prompts ({sum(map(len, prompts)):,} tokens) from {a.prompts}; "
         f"skipped {dict(skipped) or 'none'}")
     settings = {"model": a.model, "serve_model": a.serve_model or a.model, "draft": a.draft,
-                "tensor_parallel_size": a.tensor_parallel_size, "trust_remote_code": a.trust_remote_code,
+                "tensor_parallel_size": a.tensor_parallel_size, "gpu_memory_utilization": a.gpu_memory_utilization,
+                "trust_remote_code": a.trust_remote_code,
                 "dtype": a.dtype, "max_tokens": a.max_tokens, "concurrency": a.concurrency,
                 "min_seconds": a.min_seconds, "min_output_tokens": a.min_output_tokens, "parity_k": a.parity_k,
                 "parity_min_requests": a.parity_min_requests, "near_tie_ulps": a.near_tie_ulps,
