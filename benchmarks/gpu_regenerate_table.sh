@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# Issue 17 on one lent H200: drafts trained on the data's answers vs the target's own
+# (regenerate_responses), all evaluated on the fixed MT-Bench set (evaluate.prompts), SmolLM2-135M,
+# 4,000 ShareGPT conversations, the single-GPU preset's training budget (1,000 x 8,192 tokens).
+# Four runs of the pipeline at once on the one GPU (each vLLM engine takes 10 % of its memory; the
+# small target leaves the GPU mostly idle), then the serving speedup of chosen drafts with the GPU
+# to themselves, since a speedup measured beside other jobs means nothing (AL does not depend on it).
+#
+#   bash benchmarks/gpu_regenerate_table.sh start [--no-setup]   after gpu_pipeline.sh's wheel parts
+#       are in /tmp/stage: setup, the target, then the four runs detached (results/regen-table/*.log);
+#       with MLA=1 also benchmarks/gpu_check_mla_draft.sh (issue 21) beside them.
+#   bash benchmarks/gpu_regenerate_table.sh serve RUN...   detached: benchmark_serving alone on the GPU
+#       for each run's draft (K 2-4, concurrency 1 and 4), one after the other.
+#   bash benchmarks/gpu_regenerate_table.sh status [WAIT_S]   waits up to WAIT_S s while anything runs,
+#       prints progress and the table (benchmarks/regenerate_table.py), copies results to $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PRESET=config/presets/smollm2-h200.yaml
+W=results/regen-table
+mkdir -p "$W"
+export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_WORKER_MULTIPROC_METHOD=spawn HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 \
+  PYTHONUNBUFFERED=1
+RUNS="regen17-data regen17-greedy-first regen17-t06-first regen17-t06-all"
+COMMON=(
+  'data={"max_samples": 4000}'
+  'evaluate={"prompts": "package:mtbench"}'
+  'extract={"enforce_eager": true, "gpu_memory_utilization": 0.1}'
+  'benchmark_serving={"enabled": true, "k": [3], "concurrency": [1], "num_prompts": 80}'
+)
+regenerate_of() {
+  case $1 in
+    regen17-data) echo '{"enabled": false, "backend": "vllm"}' ;;
+    regen17-greedy-first) echo '{"enabled": true, "backend": "vllm", "temperature": 0, "turns": "first"}' ;;
+    regen17-t06-first) echo '{"enabled": true, "backend": "vllm", "temperature": 0.6, "top_p": 0.95, "turns": "first"}' ;;
+    regen17-t06-all) echo '{"enabled": true, "backend": "vllm", "temperature": 0.6, "top_p": 0.95, "turns": "all"}' ;;
+  esac
+}
+
+detach() {  # detach NAME cmd...: runs in its own session, log $W/NAME.log, exit code in $W/NAME.rc
+  local name=$1; shift
+  rm -f "$W/$name.rc"
+  setsid nohup bash -c '"$@"; echo $? > "'"$W/$name.rc"'"' _ "$@" > "$W/$name.log" 2>&1 < /dev/null &
+  echo $! > "$W/$name.pid"
+  echo "started $name (pid $!)"
+}
+
+running() {
+  local f
+  for f in "$W"/*.pid; do [ -f "$f" ] && kill -0 "$(cat "$f")" 2>/dev/null && echo "$(basename "$f" .pid)"; done
+}
+
+chain() {  # the target once, then the four runs at once
+  python3 -m snakemake --cores all --configfile "$PRESET" results/models/SmolLM2-135M-Instruct || return 1
+  local run pids=()
+  for run in $RUNS; do
+    python3 -m snakemake --cores 4 --nolock --configfile "$PRESET" --config "run_name=$run" "${COMMON[@]}" \
+      "regenerate=$(regenerate_of "$run")" -- "results/$run/eval/offline.json" "results/$run/eval/serving.json" \
+      > "$W/$run.log" 2>&1 &
+    pids+=($!)
+  done
+  local rc=0 p
+  for p in "${pids[@]}"; do wait "$p" || rc=1; done
+  return $rc
+}
+
+serve() {  # serve RUN...: each run's draft alone on the GPU
+  local run
+  for run in "$@"; do
+    python3 -m eaglepipe.benchmark_serving --model results/models/SmolLM2-135M-Instruct \
+      --serve-model HuggingFaceTB/SmolLM2-135M-Instruct --draft "results/$run/draft" \
+      --prompts "results/$run/data/eval.jsonl" --num-prompts 80 --max-tokens 256 --concurrency 1,4 --k 2,3,4 \
+      --parity-k 3 --out "$W/serving_$run.json" --parity-samples "$W/parity_$run.jsonl" || return 1
+  done
+}
+
+case "${1:-}" in
+  start)
+    shift
+    if [ "${1:-}" != --no-setup ]; then
+      [ -d /tmp/stage/wheels ] || cat /tmp/stage/bundle.tar.* | tar -xf - -C /tmp/stage
+      bash setup.sh --gpu --no-venv --wheels /tmp/stage/wheels > "$W/setup.log" 2>&1 || { tail -n 30 "$W/setup.log"; exit 1; }
+      tail -n 2 "$W/setup.log"
+    fi
+    export PYTHONPATH="$PWD/scripts${PYTHONPATH:+:$PYTHONPATH}"
+    detach chain bash "$0" _chain
+    if [ "${MLA:-0}" = 1 ]; then
+      detach mla env WORK=/tmp/mla OUT="$PWD/$W/mla" GPU_UTIL=0.1 bash benchmarks/gpu_check_mla_draft.sh
+    fi
+    ;;
+  _chain) chain ;;
+  _serve) shift; serve "$@" ;;
+  serve)
+    shift
+    export PYTHONPATH="$PWD/scripts${PYTHONPATH:+:$PYTHONPATH}"
+    detach serve bash "$0" _serve "$@"
+    ;;
+  status)
+    wait_s=${2:-0} t0=$SECONDS
+    while [ -n "$(running)" ] && [ $((SECONDS - t0)) -lt "$wait_s" ]; do sleep 10; done
+    echo "running: $(running | tr '\n' ' ')"
+    for f in "$W"/*.rc; do [ -f "$f" ] && echo "$(basename "$f" .rc) exit $(cat "$f")"; done
+    for run in $RUNS; do
+      echo "--- $run: $(grep -c 'Finished job' "$W/$run.log" 2>/dev/null) jobs done; last: $(grep -E '^(rule|localrule) ' "$W/$run.log" 2>/dev/null | tail -n 1)"
+      grep -E "Error|error:|Exiting" "$W/$run.log" 2>/dev/null | tail -n 3
+      for f in "results/$run"/benchmarks/*.tsv; do
+        [ -f "$f" ] && printf '   %-32s %s s\n' "$(basename "$f" .tsv)" "$(awk 'NR == 2 {print $1}' "$f")"
+      done
+    done
+    [ -f "$W/mla/summary.txt" ] && { echo "--- mla"; tail -n 12 "$W/mla/summary.txt"; }
+    [ -f "$W/serve.log" ] && { echo "--- serve"; grep -E "^benchmark_serving:|speedup|Error" "$W/serve.log" | tail -n 8; }
+    python3 benchmarks/regenerate_table.py $(for r in $RUNS; do echo "results/$r"; done) --shared-gpu \
+      --serving "$W"/serving_*.json --json "$W/table.json" 2>&1 | tee "$W/table.md"
+    if [ -n "${OUT:-}" ]; then
+      cp "$W/table.md" "$W/table.json" "$OUT/" 2>/dev/null
+      tar -czf "$OUT/regen_table.tgz" --ignore-failed-read "$W"/*.log "$W"/*.json "$W/mla" \
+        $(for r in $RUNS; do echo "results/$r/logs results/$r/benchmarks results/$r/regenerated/stats.json \
+          results/$r/regenerated/eval_prompts_stats.json results/$r/data/stats.json results/$r/eval \
+          results/$r/train/metrics.jsonl results/$r/train/summary.json results/$r/draft/config.json"; done) 2>/dev/null
+      true
+    fi
+    ;;
+  *) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 2 ;;
+esac
