@@ -1,7 +1,8 @@
 """Tokenized samples: the two JSONL record forms that carry token ids and a loss mask.
 
 Prepared samples, the files prepare_data writes (train/eval) and benchmark_serving's parity
-samples: one JSON object per line, ``{id, input_ids, loss_mask}``, ids unique within the file.
+samples: one JSON object per line, ``{id, input_ids, loss_mask, category?}`` (``category``: the
+source conversation's, read as chat_data reads it), ids unique within the file.
 Extraction reads them (``read_prepared``, strict: a malformed line is an error), and so does
 benchmark_serving for its prompts (``iter_prepared``).
 
@@ -109,6 +110,7 @@ class PreparedSample:
     id: str
     input_ids: list[int]
     loss_mask: list[int]
+    category: str | None = None  # extraction records it in the manifest, for the evaluation strata
 
 
 def iter_prepared(path: str | os.PathLike) -> Iterator[PreparedSample]:
@@ -133,7 +135,7 @@ def iter_prepared(path: str | os.PathLike) -> Iterator[PreparedSample]:
         sid = str(rec["id"])
         if sid in seen:
             raise SystemExit(f"{where}: id {sid!r} repeats line {seen[sid]}; ids must be unique")
-        yield PreparedSample(len(seen), sid, ids, mask)
+        yield PreparedSample(len(seen), sid, ids, mask, category_of(rec))
         seen[sid] = lineno
 
 
