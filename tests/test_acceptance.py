@@ -9,8 +9,8 @@ import torch
 from test_packed_data import make_run
 
 from eaglepipe.acceptance import (CHAIN_KEYS, Strata, add_counts, anchor_tensors, chain_counts, check_select_by,
-                                  eval_metrics, evaluate_rows, load_strata, select_value, strata_counts,
-                                  stratum_labels, summarize, summarize_strata)
+                                  eval_metrics, evaluate_rows, load_strata, select_value, split_categories,
+                                  strata_counts, stratum_labels, summarize, summarize_strata)
 
 B = torch.tensor
 
@@ -128,13 +128,15 @@ def test_strata_sum_back_to_overall():
     T = 97
     hit, evaluable = torch.rand(T, 3, generator=g) < 0.7, torch.rand(T, 3, generator=g) < 0.9
     valid = evaluable | (torch.rand(T, 3, generator=g) < 0.5)
-    strata = Strata((8, 30), think_ids=(5, 6))
+    strata = Strata((8, 30), think_ids=(5, 6), categories=("chat", "none"))
     ids = torch.randint(0, 10, (T,), generator=g)
     mask = (torch.rand(T, generator=g) < 0.6).long()
     doc = torch.repeat_interleave(torch.arange(3), B([40, 40, 17]))
     pos = torch.cat([torch.arange(1, 41), torch.arange(1, 41), torch.arange(1, 18)])
     overall = chain_counts(hit, evaluable, valid)
-    by = strata_counts(hit, evaluable, valid, stratum_labels(strata, ids, mask, doc, pos), strata)
+    by = strata_counts(hit, evaluable, valid, stratum_labels(strata, ids, mask, doc, pos, ["chat", None, "chat"]),
+                       strata)
+    assert list(strata.labels()) == ["context", "turn", "thinking", "category"]
     for name, labels in strata.labels().items():
         assert by[f"{name}/anchors"].shape == (len(labels),)
         for key in CHAIN_KEYS:
@@ -142,6 +144,33 @@ def test_strata_sum_back_to_overall():
     summary = summarize_strata(by, strata)
     assert sum(s["anchors"] for s in summary["context"].values()) == int(overall["anchors"]) > 0
     assert set(summary["thinking"]) == {"outside", "inside"}
+    assert summary["category"]["none"]["anchors"] == int(evaluable[40:80, 0].sum()) > 0  # the second document's
+
+
+def test_category_labels_follow_each_document():
+    strata = Strata((4,), categories=("coding", "none", "writing"))
+    mask = B([1, 1, 1, 1, 1, 1, 0])
+    doc = B([0, 0, 1, 1, 2, 2, -1])
+    labels = stratum_labels(strata, torch.zeros(7, dtype=torch.long), mask, doc, B([1, 2, 1, 2, 1, 2, 0]),
+                            ["writing", None, "coding"])
+    assert labels["category"].tolist() == [2, 2, 1, 1, 0, 0, 2]  # the pad: the first document's, never scored
+    assert strata.labels()["category"] == ["coding", "none", "writing"]
+    assert "category" not in stratum_labels(Strata((4,)), torch.zeros(7, dtype=torch.long), mask, doc,
+                                            B([1, 2, 1, 2, 1, 2, 0]))
+    assert "category" not in Strata((4,)).labels()
+
+
+def test_split_categories_from_the_manifest(tmp_path):
+    def manifest(*rows):
+        return {"_path": str(tmp_path / "manifest.json"), "shard_dir": "shards", "splits": {"eval": {"shards": rows}}}
+
+    plain = {"file": "a", "samples": 2}
+    assert split_categories(manifest(plain, plain), "eval") == ()  # no category stratum
+    named = {"file": "b", "samples": 2, "categories": ["writing", "coding"]}
+    assert split_categories(manifest(named), "eval") == ("coding", "writing")
+    mixed = {"file": "c", "samples": 2, "categories": ["math", None]}
+    # samples without one are labelled "none", so the labels cover every sample
+    assert split_categories(manifest(plain, named, mixed), "eval") == ("coding", "math", "none", "writing")
 
 
 def test_select_by():
@@ -155,6 +184,19 @@ def test_select_by():
         check_select_by("thinking:inside", strata)  # no thinking tags in this target
     with pytest.raises(SystemExit, match="'context:<=1024'"):
         check_select_by("context:<=1024", strata)
+
+
+def test_select_by_category():
+    strata = Strata((512,), categories=("coding", "none"))
+    check_select_by("category:coding", strata)
+    check_select_by("category:none", strata)
+    with pytest.raises(SystemExit, match=r"'category:math'.*context:>512, turn:1, .*category:coding, category:none"):
+        check_select_by("category:math", strata)
+    with pytest.raises(SystemExit, match="'category:coding'"):
+        check_select_by("category:coding", Strata((512,)))  # data without categories
+    ev = {"acceptance_length": 2.0, "strata": {"category": {"coding": {"acceptance_length": 2.75},
+                                                            "none": {"acceptance_length": None}}}}
+    assert select_value(ev, "category:coding") == 2.75 and select_value(ev, "category:none") == 0.0
 
 
 def test_thinking_stratum_from_the_targets_tokenizer(tiny_llama, tmp_path):

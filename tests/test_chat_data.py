@@ -36,6 +36,17 @@ def test_messages_key_and_missing_ids(tmp_path):
     assert chats[0].messages == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
 
 
+def test_category_or_source_field_becomes_the_chats_category(tmp_path):
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    records = [{"category": "coding", "source": "mix-a"}, {"source": "mix-b"}, {}, {"category": ""},
+               {"category": 3, "source": {"name": "x"}}]  # other types and empty strings are no category
+    p = tmp_path / "c.jsonl"
+    p.write_text("".join(json.dumps({"id": f"c{i}", "messages": turns, **r}) + "\n" for i, r in enumerate(records)))
+    chats, skips = chats_and_skips(p)
+    assert not skips and [c.category for c in chats] == ["coding", "mix-b", None, None, None]
+    assert all(c.messages == turns for c in chats)  # the field is no part of the conversation
+
+
 def test_malformed_records_are_counted_skips_with_file_line(tmp_path):
     p = tmp_path / "bad.jsonl"
     lines = [

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_packed_data import make_run
+from test_packed_data import categorize, make_run
 
 from eaglepipe import evaluate
 
@@ -47,6 +47,23 @@ def test_offline_json(tiny_llama, tmp_path):
         assert all(len(s["per_position_acceptance"]) == 2 for s in by_label.values())
 
 
+def test_category_stratum_from_the_manifest(tiny_llama, tmp_path):
+    run = make_run(tmp_path, tiny_llama, n_train=2)
+    names = ["coding", None, "writing"]
+    categorize(run["manifest"], names)
+    draft = export_like(tiny_llama, run, tmp_path / "draft")
+    out = tmp_path / "offline.json"
+    evaluate.main(["--draft", str(draft), "--manifest", str(run["manifest"]), "--model", str(tiny_llama), "--k", "2",
+                   "--out", str(out)])
+    res = json.loads(out.read_text())
+    by_category = res["strata"]["category"]
+    assert list(by_category) == ["coding", "none", "writing"]
+    for c, label in enumerate(["coding", "none", "writing"]):  # each sample's anchors under its own label
+        scored = sum(int(s["loss_mask"].sum()) for i, s in enumerate(run["eval"]) if i % len(names) == c)
+        assert by_category[label]["anchors"] == scored > 0, label
+    assert sum(s["anchors"] for s in by_category.values()) == res["anchors"]
+
+
 def test_context_buckets_flag(tiny_llama, tmp_path):
     run = make_run(tmp_path, tiny_llama, n_train=2)
     draft = export_like(tiny_llama, run, tmp_path / "draft")
@@ -81,3 +98,14 @@ def test_stratum_config_reaches_both_clis(tmp_path):
     assert "--context-buckets 256 4096 --select-by 'context:>4096'" in train
     bad = snakemake(ws, "-n", "--config", 'evaluate={"select_by": "length:>4096"}', check=False)
     assert bad.returncode != 0 and "select_by" in bad.stdout + bad.stderr
+
+
+@pytest.mark.parametrize("select_by, ok", [("category:coding", True), ("category:none", True), ("category:", False),
+                                           ("source:coding", False)])
+def test_schema_takes_a_category_for_select_by(select_by, ok):
+    from eaglepipe.config_check import config_errors, load_schema
+    from workflow import REPO
+
+    errors = config_errors({"evaluate": {"select_by": select_by}},
+                           load_schema(str(REPO / "config" / "config.schema.yaml")))
+    assert not any("evaluate.select_by" in e for e in errors) == ok, errors

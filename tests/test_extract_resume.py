@@ -1,6 +1,7 @@
 """Resume after a real kill -9, rewrite of damaged or stale shards, byte-identical results."""
 
 import errno
+import json
 import os
 import signal
 import subprocess
@@ -103,6 +104,31 @@ def test_changed_settings_or_samples_rewrite_shards(tmp_path, tiny_llama, capsys
     lines[5] = lines[5].replace('"input_ids": [', '"input_ids": [7, ').replace('"loss_mask": [', '"loss_mask": [0, ')
     (tmp_path / "train.jsonl").write_text("\n".join(lines) + "\n")
     assert run("--storage-dtype", "fp8", "--batch-size", "2") == "reused 5 shards, wrote 1"
+
+
+def test_categories_go_to_the_manifest_and_a_changed_one_rewrites_no_shard(tmp_path, tiny_llama, capsys):
+    tiny.make_tokenized(tmp_path / "train.jsonl", 4, 400, seed=3, prefix="t")
+    tiny.make_tokenized(tmp_path / "eval.jsonl", 6, 400, seed=4, prefix="e")
+
+    def run(categories):
+        lines = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
+        (tmp_path / "eval.jsonl").write_text("".join(
+            json.dumps({k: v for k, v in {**r, "category": c}.items() if v is not None}) + "\n"
+            for r, c in zip(lines, categories)))
+        ehs.main(["--train", str(tmp_path / "train.jsonl"), "--eval", str(tmp_path / "eval.jsonl"),
+                  "--model", str(tiny_llama), "--batch-size", "4", "--shard-dir", str(tmp_path / "shards"),
+                  "--out", str(tmp_path / "part.json")])
+        m = json.loads((tmp_path / "part.json").read_text())
+        return last_line_of(capsys.readouterr().err, "reused"), m["splits"]
+
+    reused, splits = run(["math", None, "math", "code", None, None])
+    assert reused == "reused 0 shards, wrote 3"
+    # in sample order per shard row; a row whose samples have none has no such field
+    assert [r.get("categories") for r in splits["eval"]["shards"]] == [["math", None, "math", "code"], None]
+    assert all("categories" not in r for r in splits["train"]["shards"])
+    reused, splits = run(["math", None, "math", "code", None, "code"])
+    assert reused == "reused 3 shards, wrote 0"  # only the manifest tells categories
+    assert [r.get("categories") for r in splits["eval"]["shards"]] == [["math", None, "math", "code"], [None, "code"]]
 
 
 def test_every_flag_changes_shard_settings_unless_listed_as_neutral(tmp_path):

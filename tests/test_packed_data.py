@@ -6,6 +6,7 @@ vocab mapping) the other training/evaluation tests reuse.
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -94,6 +95,17 @@ def make_run(tmp: Path, target: Path, n_train: int = 12, n_eval: int = 6, batch:
             "model": target, "train": train, "eval": evals}
 
 
+def categorize(manifest_path: Path, names: list) -> None:
+    """The eval split's samples get the categories ``names`` in turn (None: none), in the manifest
+    rows as extraction records them."""
+    m = json.loads(Path(manifest_path).read_text())
+    i = 0
+    for row in m["splits"]["eval"]["shards"]:
+        row["categories"] = [names[(i + j) % len(names)] for j in range(row["samples"])]
+        i += row["samples"]
+    Path(manifest_path).write_text(json.dumps(m))
+
+
 def random_manifest(tmp: Path, lengths: list[list[int]], layers: int = 3, hidden: int = 8) -> dict:
     """Shards of random states with given per-shard sample lengths; token id = global token counter."""
     rows, counter, sample = [], 0, 0
@@ -113,6 +125,14 @@ def random_manifest(tmp: Path, lengths: list[list[int]], layers: int = 3, hidden
 
 def row_tokens(batch: dict) -> list[int]:
     return batch["input_ids"][0].tolist()
+
+
+def test_rows_carry_each_documents_category(tmp_path):
+    m = random_manifest(tmp_path, [[5, 3, 4], [6, 2]])
+    m["splits"]["train"]["shards"][0]["categories"] = ["a", None, "b"]  # the second shard has none
+    rows = list(PackedRows(m, "train", batch_tokens=8, shuffle=False, pad_to=10).once())
+    assert [r["categories"] for r in rows] == [["a", None], ["b"], [None, None]]
+    assert rows[1]["document_ids"][0].tolist() == [0, 0, 0] + [-1] * 7  # the pads are no document's
 
 
 def test_rows_pack_whole_samples_shifted_per_sample(tmp_path):
@@ -198,7 +218,8 @@ def test_gpu_rows_have_one_padded_length(tmp_path, tiny_llama):
     assert {r["input_ids"].shape[1] for r in rows} == {128} and len(rows) == len(plain)
     for r, p in zip(rows, plain):
         T = p["input_ids"].shape[1]
-        assert all(torch.equal(r[k][:, :T], p[k]) for k in p if k != "lengths")
+        assert all(torch.equal(r[k][:, :T], p[k]) for k in p if k not in ("lengths", "categories"))
+        assert r["categories"] == p["categories"] == [None] * len(p["lengths"])
         assert (r["document_ids"][0, T:] == -1).all() and not r["loss_mask"][0, T:].any()
     with pytest.raises(ValueError, match="pad_to 32"):
         PackedRows(manifest, "train", 64, pad_to=32)

@@ -54,6 +54,25 @@ def test_outputs_reconcile_and_match_the_template(tmp_path, tiny_llama, chats):
     assert meta["vocab_size"] == "400" and meta["loss_masked_tokens"] == str(s["assistant_tokens"])
 
 
+def test_the_datas_category_reaches_the_samples(tmp_path, tiny_llama):
+    data = tmp_path / "chats.jsonl"
+    turns = [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "hello to you"}]
+    cats = {f"c{i}": ("coding", "writing", None)[i % 3] for i in range(12)}
+    data.write_text("".join(json.dumps({"id": i, "messages": turns, **({"category": c} if c else {})}) + "\n"
+                            for i, c in cats.items()))
+    out = run(tmp_path, data, tiny_llama, "--eval-fraction", 0.4)
+    written = rows(out / "train.jsonl") + rows(out / "eval.jsonl")
+    assert len(written) == 12 and all(r.get("category") == cats[r["id"]] for r in written)
+    # token-exact samples (regenerate_responses' output) keep theirs too
+    samples = tmp_path / "samples.jsonl"
+    samples.write_text("".join(json.dumps({"id": r["id"], "conversation": r["id"], "input_ids": r["input_ids"],
+                                           "loss_mask": r["loss_mask"], **({"category": cats[r["id"]]} if cats[r["id"]]
+                                                                           else {})}) + "\n" for r in written))
+    out = run(tmp_path, samples, tiny_llama, "--pretokenized", "--eval-fraction", 0.4, out="tokenized")
+    again = {r["id"]: r for r in rows(out / "train.jsonl") + rows(out / "eval.jsonl")}
+    assert again == {r["id"]: r for r in written}
+
+
 def test_split_is_stable_when_max_samples_grows(tmp_path, tiny_llama, chats):
     small = run(tmp_path, chats, tiny_llama, "--max-samples", 20, "--eval-fraction", 0.3, out="small")
     big = run(tmp_path, chats, tiny_llama, "--max-samples", 0, "--eval-fraction", 0.3, out="big")

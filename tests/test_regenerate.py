@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from types import SimpleNamespace
 
 import pytest
@@ -146,6 +147,15 @@ def test_history_the_template_rewrites_starts_a_sample_of_its_own(tmp_path, tiny
     # each sample is the prompt the target saw for that turn, then its answer
     assert records[1]["input_ids"][: len(gen.prompts["0-0-1"])] == gen.prompts["0-0-1"]
     assert [r["answers"] for r in records] == [[ANSWERS[0]], [ANSWERS[1]]]
+
+
+def test_the_conversations_category_reaches_each_of_its_samples(tmp_path, tiny_llama):
+    tok = tiny.make_tokenizer(tmp_path / "tok", chat_template=REWRITING_TEMPLATE)
+    turns = (("user", "what is it?"), ("assistant", "x"), ("user", "and then?"))
+    items = [chat("c0", *turns)._replace(category="coding"), chat("c1", *turns)]
+    records, _, _ = run_scripted(tmp_path, tok, items, lambda pos, turn, prompt: (ANSWERS[turn], "stop"))
+    assert [(r["id"], r.get("category")) for r in records] == [("c0", "coding"), ("c0#1", "coding"), ("c1", None),
+                                                               ("c1#1", None)]
 
 
 def test_samples_of_a_conversation_share_its_split(tmp_path, tiny_llama):
@@ -297,6 +307,9 @@ def test_mtbench_questions_are_the_80_two_turn_prompts():
     questions = list(read_mtbench())
     assert len(questions) == 80 and len({q.id for q in questions}) == 80
     assert all([m["role"] for m in q.messages] == ["user", "user"] for q in questions)
+    # MT-Bench's 8 categories, 10 questions each, for the evaluation strata
+    assert Counter(q.category for q in questions) == {c: 10 for c in ("writing", "roleplay", "reasoning", "math",
+                                                                      "coding", "extraction", "stem", "humanities")}
 
 
 class FakeVLLM:

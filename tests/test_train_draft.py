@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_packed_data import make_run
+from test_packed_data import categorize, make_run
 
 from eaglepipe import train_draft
 
@@ -157,6 +157,23 @@ def test_best_checkpoint_chosen_by_a_stratum(run, tmp_path):
     with pytest.raises(SystemExit, match=r"--select-by 'context:>9'.*context:<=8"):
         train_draft.train(train_draft.parse_args(argv(run, tmp_path / "bad", context_buckets=8,
                                                       select_by="context:>9")))
+
+
+def test_best_checkpoint_chosen_by_a_category_stratum(tiny_llama, tmp_path):
+    run = make_run(tmp_path, tiny_llama)
+    categorize(run["manifest"], ["coding", None, "writing"])
+    out = tmp_path / "train"
+    summary = train_draft.train(train_draft.parse_args(argv(run, out, select_by="category:writing")))
+    assert summary["best_selected_by"] == "category:writing"
+    evals = {r["step"]: r for r in metrics_rows(out) if r["split"] == "eval"}
+    for r in evals.values():  # the categories add up, as every stratum does
+        assert list(r["strata"]["category"]) == ["coding", "none", "writing"]
+        assert sum(s["anchors"] for s in r["strata"]["category"].values()) == r["anchors"]
+    chosen = [evals[s]["strata"]["category"]["writing"]["acceptance_length"] for s in (2, 4, 6)]
+    best_step = int(summary["best"].rsplit("-", 1)[1])
+    assert evals[best_step]["strata"]["category"]["writing"]["acceptance_length"] == max(chosen)
+    with pytest.raises(SystemExit, match=r"--select-by 'category:math'.*category:coding, category:none"):
+        train_draft.train(train_draft.parse_args(argv(run, tmp_path / "bad", select_by="category:math")))
 
 
 def test_bad_flags_and_inputs_are_clear_errors(run, tmp_path):

@@ -11,8 +11,9 @@ The chain logic works on [anchors, K] boolean tensors and returns raw counts, su
 and ranks before any ratio is taken, so the result does not depend on how rows are batched.
 
 The same counts are kept per stratum of the anchor (``Strata``): context length of its prefix,
-assistant turn, inside or outside a thinking block. Every position has exactly one label per
-stratum, so each stratum's counts add up to the overall ones.
+assistant turn, inside or outside a thinking block, and its sample's category when the data has
+categories (``split_categories``). Every position has exactly one label per stratum, so each
+stratum's counts add up to the overall ones.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from .shards import row_categories, shard_paths
 
 CONVENTION = ("acceptance_length = 1 + mean number of accepted draft tokens per anchor position "
               "(the target's bonus token counted, as vLLM and SGLang report it); greedy top-1 chain of k draft "
@@ -125,14 +128,22 @@ def greedy_tokens(model, final_states: torch.Tensor, head: torch.Tensor, scored:
     return out
 
 
+# the category label of a sample without one where others have one (so the labels add up to the
+# whole); a category named "none" in the data shares it
+NO_CATEGORY = "none"
+
+
 @dataclass(frozen=True)
 class Strata:
     """How anchors are split. ``context_buckets``: ascending upper bounds (inclusive) of the prefix
     length, one more bucket past the last; ``think_ids``: the target's (open, close) thinking-tag
-    token ids, None when its tokenizer has none (no thinking stratum then)."""
+    token ids, None when its tokenizer has none (no thinking stratum then); ``categories``: the
+    category labels of the evaluated split (``split_categories``), empty when it has none (no
+    category stratum then)."""
     context_buckets: tuple[int, ...] = (512, 2048, 8192)
     think_ids: tuple[int, int] | None = None
     max_turn: int = 4  # turns from this one on share a label (fixed sizes so ranks can all-reduce)
+    categories: tuple[str, ...] = ()
 
     def labels(self) -> dict[str, list[str]]:
         b = self.context_buckets
@@ -140,7 +151,16 @@ class Strata:
                "turn": [str(i + 1) for i in range(self.max_turn - 1)] + [f">={self.max_turn}"]}
         if self.think_ids is not None:
             out["thinking"] = ["outside", "inside"]
+        if self.categories:
+            out["category"] = list(self.categories)
         return out
+
+
+def split_categories(manifest: dict, split: str) -> tuple[str, ...]:
+    """The category labels of a split's samples, sorted, from the manifest (the same on every rank,
+    so the counts all-reduce); a sample without one is NO_CATEGORY's; empty when no sample has one."""
+    labels = sorted({c or NO_CATEGORY for _, row in shard_paths(manifest, split) for c in row_categories(row)})
+    return () if labels == [NO_CATEGORY] else tuple(labels)
 
 
 def add_strata_arguments(p) -> None:
@@ -149,15 +169,17 @@ def add_strata_arguments(p) -> None:
                    help="ascending upper bounds of the prefix-length buckets AL is reported by")
 
 
-def load_strata(model_dir: str, context_buckets: list[int], trust_remote_code: bool = False) -> Strata:
-    """Strata for a target: the thinking stratum when its tokenizer has THINK_TAGS as tokens."""
+def load_strata(model_dir: str, context_buckets: list[int], trust_remote_code: bool = False,
+                categories: tuple[str, ...] = ()) -> Strata:
+    """Strata for a target: the thinking stratum when its tokenizer has THINK_TAGS as tokens; the
+    category stratum with ``categories`` (``split_categories``)."""
     from transformers import AutoTokenizer
 
     ascending = all(b > a for a, b in zip(context_buckets, context_buckets[1:]))
     if not context_buckets or not ascending or context_buckets[0] < 1:
         raise SystemExit(f"--context-buckets {context_buckets}: need positive, strictly ascending token counts")
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
-    return Strata(tuple(context_buckets), think_token_ids(tokenizer))
+    return Strata(tuple(context_buckets), think_token_ids(tokenizer), categories=categories)
 
 
 THINK_TAGS = ("<think>", "</think>")  # the reasoning delimiters of Qwen3's and DeepSeek-R1's templates
@@ -170,13 +192,15 @@ def think_token_ids(tokenizer) -> tuple[int, int] | None:
 
 
 def stratum_labels(strata: Strata, input_ids: torch.Tensor, loss_mask: torch.Tensor, document_ids: torch.Tensor,
-                   position_ids: torch.Tensor) -> dict[str, torch.Tensor]:
-    """[T] label index per stratum for the anchors of one shifted row.
+                   position_ids: torch.Tensor, categories: list[str | None] = ()) -> dict[str, torch.Tensor]:
+    """[T] label index per stratum for the anchors of one shifted row; ``categories``: each
+    document's category (packed_data's ``categories``), None for none.
 
     Anchor t drafts x_{t+2} after the prefix x_1..x_{t+1}: its context length is position_ids[t]
     (which counts from 1 in every sample). Its turn is the number of scored runs (assistant turns)
     of its document that started at or before t. It is inside a thinking block when the last
-    thinking tag of its document at or before t (input_ids[t] = x_{t+1}) opens one.
+    thinking tag of its document at or before t (input_ids[t] = x_{t+1}) opens one. Its category
+    is its document's (a pad, outside every document, gets the first document's; it is never scored).
     """
     T = input_ids.shape[0]
     edges = torch.tensor(strata.context_buckets, dtype=torch.long, device=input_ids.device)
@@ -196,6 +220,10 @@ def stratum_labels(strata: Strata, input_ids: torch.Tensor, loss_mask: torch.Ten
         tag = torch.where(first & (tag < 0), 0, tag)  # a document starts outside
         idx = torch.where(tag >= 0, torch.arange(T, device=input_ids.device), 0)
         out["thinking"] = tag[torch.cummax(idx, 0).values]
+    if strata.categories:
+        index = [strata.categories.index(c or NO_CATEGORY) for c in categories]
+        per_document = torch.tensor(index, dtype=torch.long, device=input_ids.device)
+        out["category"] = per_document[doc.clamp(min=0)]
     return out
 
 
@@ -319,7 +347,7 @@ def evaluate_rows(model, rows, head: torch.Tensor, k: int, loss_config, ttt_step
         counts = chain_counts(hit, evaluable, valid)
         if strata is not None:
             labels = stratum_labels(strata, b["input_ids"][0], b["loss_mask"][0], b["document_ids"][0],
-                                    b["position_ids"][0])
+                                    b["position_ids"][0], batch["categories"])
             counts.update(strata_counts(hit, evaluable, valid, labels, strata))
         scored = b["loss_mask"].sum().double()
         counts["tokens"] = torch.tensor(b["input_ids"].shape[1], dtype=torch.long, device=device)

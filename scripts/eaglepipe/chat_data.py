@@ -22,7 +22,12 @@ function_call/observation and OpenAI's legacy function are mapped onto them). No
   thinking models render the reasoning field themselves; Qwen3's splits inline blocks the same way);
 - LLaMA-Factory ``function_call`` turns (``value`` = JSON ``{"name", "arguments"}`` or a list of them)
   become assistant ``tool_calls``; a top-level ``system`` becomes the first turn; a top-level ``tools``
-  (a list, or a JSON string as LLaMA-Factory writes it) is passed to the template.
+  (a list, or a JSON string as LLaMA-Factory writes it) is passed to the template;
+- category: the record's ``category`` (as MT-Bench questions have it), else its ``source`` (the
+  dataset a record of a mix came from), when a non-empty string (another type is ignored), becomes
+  ``Chat.category`` (token-exact samples are read the same way: ``category_of``). It travels with
+  the conversation's samples into the hidden-state manifest, and the evaluations report acceptance
+  by it (acceptance.py ``Strata``).
 
 ``iter_chats`` yields ``Chat`` for good records and ``Skip`` for bad ones, in file order, so callers
 count read = kept + skipped. ``source`` is ``file:line`` (JSON text) or ``file:row`` (parquet, datasets).
@@ -59,6 +64,7 @@ FORMS = ("a JSONL or JSON-array file (optionally .gz), a parquet file, a dataset
 _SEPARATOR = re.compile(r"[\s,]*")
 _INLINE_THINK = re.compile(r"\s*(?:<think>)?(.*?)</think>\s*(.*)", re.DOTALL)
 _GZIP_MAGIC, _PARQUET_MAGIC = b"\x1f\x8b", b"PAR1"
+CATEGORY_FIELDS = ("category", "source")  # first found wins
 
 
 class Chat(NamedTuple):
@@ -66,6 +72,7 @@ class Chat(NamedTuple):
     messages: list[dict]
     source: str  # "file:line" where the record starts
     tools: list | None = None  # the record's tool definitions, for the template's ``tools``
+    category: str | None = None  # the record's category (CATEGORY_FIELDS), None without one
 
 
 class Skip(NamedTuple):
@@ -189,7 +196,12 @@ def normalize(record, source: str, fallback_id: str) -> Chat | Skip:
     rid = record.get("id")
     if isinstance(rid, bool) or not isinstance(rid, (str, int)) or rid == "":
         rid = fallback_id
-    return Chat(str(rid), messages, source, tools or None)
+    return Chat(str(rid), messages, source, tools or None, category_of(record))
+
+
+def category_of(record: dict) -> str | None:
+    """The first of CATEGORY_FIELDS that is a non-empty string, else None."""
+    return next((record[k] for k in CATEGORY_FIELDS if isinstance(record.get(k), str) and record[k].strip()), None)
 
 
 def _stable_id(name: str, line: int) -> str:

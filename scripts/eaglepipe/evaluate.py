@@ -1,7 +1,7 @@
 """Stages evaluate_offline, evaluate_parity: offline evaluation of an exported draft, acceptance
 length by greedy chain replay on held-out hidden-state shards (acceptance.py), written to
 ``offline.json``: overall and by stratum (context length, assistant turn, inside/outside
-thinking; ``strata``).
+thinking, the data's category; ``strata``).
 
 With ``--parity serving.json`` (``rule evaluate_parity``) the shards hold the sequences vLLM produced
 in the serving benchmark's parity window instead; the replay follows vLLM's drafting positions on them
@@ -54,7 +54,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     from speculators.losses import resolve_loss_config
 
-    from .acceptance import eval_metrics, evaluate_rows, load_strata
+    from .acceptance import eval_metrics, evaluate_rows, load_strata, split_categories
     from .draft_model import LOSS_IMPLEMENTATION, load_draft, load_target_head, row_length
     from .runtime import set_threads
 
@@ -77,7 +77,8 @@ def main(argv=None) -> None:
     if args.parity:
         run_parity(args, served, model, rows, head, loss_config, device)
         return
-    strata = load_strata(args.model, args.context_buckets, args.trust_remote_code)
+    strata = load_strata(args.model, args.context_buckets, args.trust_remote_code,
+                         split_categories(manifest, args.split))
     counts = evaluate_rows(model, rows, head, args.k, loss_config, device=device, strata=strata)
     result = eval_metrics(counts, strata)
     result.update(split=args.split, draft=str(Path(args.draft)), manifest=str(Path(args.manifest)),

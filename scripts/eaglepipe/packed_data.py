@@ -4,7 +4,8 @@ A row holds whole samples packed end to end, at most ``batch_tokens`` tokens (a 
 a row of its own, truncated, and is counted). Rows come out as speculators' batch dict after its
 ``shift_batch`` (per sample), so position t holds token x_{t+1}, aux states g_t and the final
 state y_{t+1}; position ids restart at 1 in every sample and ``document_ids`` keep samples from
-attending to each other.
+attending to each other. ``categories`` lists each document's category (shards.row_categories), for
+the evaluation strata; it is a plain list, not a row tensor.
 
 Nothing is read at start-up: an epoch's plan (shard order, sample order inside a shard, packing)
 is computed lazily from the manifest, a shard's ``offsets`` are read only when the plan reaches
@@ -22,7 +23,7 @@ from collections.abc import Iterator
 import torch
 from safetensors import safe_open
 
-from .shards import Shard, read_shard, shard_paths
+from .shards import Shard, read_shard, row_categories, shard_paths
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +178,10 @@ class PackedRows:
                  for key in ("input_ids", "hidden_states", "verifier_last_hidden_states", "loss_mask", "position_ids")}
         batch["lengths"] = lengths
         batch["document_ids"] = torch.repeat_interleave(torch.arange(len(parts)), lengths).unsqueeze(0)
-        return batch if self.pad_to is None else pad_row(batch, self.pad_to)
+        if self.pad_to is not None:
+            batch = pad_row(batch, self.pad_to)
+        batch["categories"] = [row_categories(self.shards[si][1])[b] for si, b, _ in row]
+        return batch
 
 
 def pad_row(batch: dict, length: int) -> dict:

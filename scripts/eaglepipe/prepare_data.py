@@ -1,6 +1,6 @@
 """Stage prepare_data: raw chats -> tokenized train/eval JSONL, stats and token frequencies.
 
-Each kept conversation becomes one line ``{"id", "input_ids", "loss_mask"}`` rendered with the
+Each kept conversation becomes one line ``{"id", "input_ids", "loss_mask", "category"?}`` rendered with the
 target's chat template (eaglepipe.chat_template), plus one line ``{"id": "ID#turnI", ...}`` for each
 assistant turn the template renders differently in history (trained as its own sample). The split is
 a hash of (seed, conversation id), so a conversation's samples share a split and stay in it when
@@ -123,8 +123,9 @@ def prepare(args) -> dict:
             examples[reason].append({"source": source, "detail": detail})
             print(f"skip ({reason}): {detail}", file=sys.stderr)
 
-    def write(split, sample_id, ids, mask):
-        files[split].write(json.dumps({"id": sample_id, "input_ids": ids, "loss_mask": mask},
+    def write(split, sample_id, ids, mask, category):
+        category_field = {"category": category} if category else {}  # the data's (chat_data), for the strata
+        files[split].write(json.dumps({"id": sample_id, "input_ids": ids, "loss_mask": mask, **category_field},
                                       separators=(",", ":")) + "\n")
         splits[split].add(len(ids), sum(mask))
         if split == "train":
@@ -199,7 +200,7 @@ def prepare(args) -> dict:
                 assistant.trained_by_kind.update(enc.parts[p].kind for p in kept_parts)
                 # a turn of its own gets its own id; the split stays the conversation's (no shared prefix leaks)
                 write(split, item.id if sample.whole else f"{item.id}#turn{sample.turns[0]}", ids,
-                      sample.loss_mask[:keep])
+                      sample.loss_mask[:keep], item.category)
             if written:
                 kept += 1
             elif args.too_long == "drop":

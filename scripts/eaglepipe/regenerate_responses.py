@@ -121,7 +121,7 @@ def read_mtbench() -> Iterator[Chat | Skip]:
         for line_no, line in enumerate(f, 1):
             q = json.loads(line)
             yield Chat(f"mtbench-{q['question_id']}", [{"role": "user", "content": t} for t in q["turns"]],
-                       f"{path.name}:{line_no}")
+                       f"{path.name}:{line_no}", category=q.get("category"))
 
 
 def read_set(path: str) -> Iterator[Chat | Skip]:
@@ -328,7 +328,8 @@ class Regenerator:
             mode["kept"] += 1
             for j, (ids, mask, answers) in enumerate(build_samples(conv)):
                 records.append(tokenized_samples.dumps(
-                    conv.chat.id if j == 0 else f"{conv.chat.id}#{j}", conv.chat.id, ids, mask, mode=conv.mode.name,
+                    conv.chat.id if j == 0 else f"{conv.chat.id}#{j}", conv.chat.id, ids, mask, conv.chat.category,
+                    mode=conv.mode.name,
                     answers=[self.tok.decode(a.token_ids, skip_special_tokens=True) for a in answers]))
                 stats["samples"] += 1
         stats["skipped"] = sum(stats["skipped_by_reason"].values())

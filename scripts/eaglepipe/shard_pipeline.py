@@ -68,7 +68,16 @@ def reusable_row(path: Path, batch: list[PreparedSample], digest: str, num_layer
     except Exception:  # unreadable in any way: rewrite it
         return None
     checksum = shards.recorded_checksum(path)[CHECKSUM]  # just verified
-    return shards.manifest_row(path, len(kept), T, path.stat().st_size, checksum), meta.get("skipped", [])
+    row = shards.manifest_row(path, len(kept), T, path.stat().st_size, checksum)
+    return with_categories(row, kept), meta.get("skipped", [])
+
+
+def with_categories(row: dict, kept: list[PreparedSample]) -> dict:
+    """The manifest row with its samples' categories when any has one (shards.row_categories).
+    They go in the manifest, not the shard: the evaluations read them from there, and a shard
+    stays reusable when only a category changed."""
+    categories = [s.category for s in kept]
+    return dict(row, categories=categories) if any(categories) else row
 
 
 def all_finite(x: torch.Tensor) -> bool:
@@ -116,7 +125,7 @@ def pack_and_write(path: Path, split: str, b: int, batch: list[PreparedSample], 
         metadata=dict(meta, split=split, batch=b, sample_ids=[s.id for s in kept], skipped=skipped),
         storage_dtype=storage,
     )
-    return row, skipped
+    return with_categories(row, kept), skipped
 
 
 def write_batch(path: Path, split: str, b: int, batch: list[PreparedSample], loader, meta: dict,

@@ -11,7 +11,9 @@ returns the same [T, L, H] view either way.
 The header metadata key ``eaglepipe`` holds JSON: format version, layer ids and convention,
 target model id/revision, dtype, tokenizer digest.
 
-The manifest's row of a shard: file, samples, tokens, bytes and its checksum (``checksum.py``).
+The manifest's row of a shard: file, samples, tokens, bytes and its checksum (``checksum.py``),
+and ``categories`` (each sample's category, null for none; ``row_categories``) when a sample of
+the shard has one (chat_data's ``category``, which the evaluations report acceptance by).
 The same size and checksum go beside the shard when it is written (``<shard>.checksum``, JSON), so
 a rerun verifies a shard before reusing it even though Snakemake deleted the old part manifest.
 Training reads the manifest, never scans the shard directory.
@@ -260,6 +262,11 @@ def load_manifest(path: str | os.PathLike) -> dict:
         raise ValueError(f"manifest {path}: format version {m.get('format_version')}, expected {FORMAT_VERSION}")
     m["_path"] = str(path)
     return m
+
+
+def row_categories(row: dict) -> list[str | None]:
+    """The category of each sample of a shard's manifest row (None: it has none)."""
+    return row.get("categories") or [None] * row["samples"]
 
 
 def shard_paths(manifest: dict, split: str) -> list[tuple[Path, dict]]:

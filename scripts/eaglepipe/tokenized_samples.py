@@ -1,7 +1,8 @@
 """Tokenized samples: the two JSONL record forms that carry token ids and a loss mask.
 
 Prepared samples, the files prepare_data writes (train/eval) and benchmark_serving's parity
-samples: one JSON object per line, ``{id, input_ids, loss_mask}``, ids unique within the file.
+samples: one JSON object per line, ``{id, input_ids, loss_mask, category?}`` (``category``: the
+source conversation's, read as chat_data reads it), ids unique within the file.
 Extraction reads them (``read_prepared``, strict: a malformed line is an error), and so does
 benchmark_serving for its prompts (``iter_prepared``).
 
@@ -9,8 +10,9 @@ Token-exact samples, the file regenerate_responses writes and prepare_data takes
 one JSON object per line: ``id`` (unique), ``conversation`` (the source conversation's id: the
 train/eval split is drawn by it, so all samples of one conversation land in the same split, the
 one prepare_data gives the original chat: regenerated and original data split alike),
-``input_ids``, ``loss_mask`` (1 on the tokens the target generated), and fields for people that
-readers ignore (``mode``, ``answers``). Nothing is re-tokenized, so no mask can shift.
+``input_ids``, ``loss_mask`` (1 on the tokens the target generated), ``category`` when the source
+conversation has one (read as chat_data reads it; carried on to the evaluation strata), and fields
+for people that readers ignore (``mode``, ``answers``). Nothing is re-tokenized, so no mask can shift.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, NamedTuple
 
-from eaglepipe.chat_data import Skip
+from eaglepipe.chat_data import Skip, category_of
 from eaglepipe.chat_template import Encoded, Part, Sample
 
 
@@ -32,11 +34,15 @@ class Tokenized(NamedTuple):
     input_ids: list[int]
     loss_mask: list[int]
     source: str  # "file:line"
+    category: str | None = None
 
 
-def dumps(sample_id: str, conversation: str, input_ids: list[int], loss_mask: list[int], **for_people) -> str:
+def dumps(sample_id: str, conversation: str, input_ids: list[int], loss_mask: list[int],
+          category: str | None = None, **for_people) -> str:
+    category_field = {"category": category} if category else {}
     return json.dumps({"id": sample_id, "conversation": conversation, "input_ids": input_ids,
-                       "loss_mask": loss_mask, **for_people}, ensure_ascii=False, separators=(",", ":"))
+                       "loss_mask": loss_mask, **category_field, **for_people}, ensure_ascii=False,
+                      separators=(",", ":"))
 
 
 def as_encoded(sample: Tokenized) -> Encoded:
@@ -83,7 +89,7 @@ def validate(record, source: str) -> Tokenized | Skip:
         return Skip(source, "bad_loss_mask", f"{source}: 'loss_mask' has {len(mask)} entries for {len(ids)} tokens")
     if not any(mask):
         return Skip(source, "no_assistant_token", f"{source}: 'loss_mask' marks no token")
-    return Tokenized(record["id"], record["conversation"], ids, mask, source)
+    return Tokenized(record["id"], record["conversation"], ids, mask, source, category_of(record))
 
 
 def iter_tokenized(path: str) -> Iterator[Tokenized | Skip]:
@@ -104,6 +110,7 @@ class PreparedSample:
     id: str
     input_ids: list[int]
     loss_mask: list[int]
+    category: str | None = None  # extraction records it in the manifest, for the evaluation strata
 
 
 def iter_prepared(path: str | os.PathLike) -> Iterator[PreparedSample]:
@@ -128,7 +135,7 @@ def iter_prepared(path: str | os.PathLike) -> Iterator[PreparedSample]:
         sid = str(rec["id"])
         if sid in seen:
             raise SystemExit(f"{where}: id {sid!r} repeats line {seen[sid]}; ids must be unique")
-        yield PreparedSample(len(seen), sid, ids, mask)
+        yield PreparedSample(len(seen), sid, ids, mask, category_of(rec))
         seen[sid] = lineno
 
 

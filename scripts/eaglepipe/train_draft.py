@@ -63,7 +63,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     add_strata_arguments(p)
     p.add_argument("--select-by", default=OVERALL,
-                   help="eval AL the best checkpoint is chosen by: overall or <stratum>:<label> (e.g. context:<=2048)")
+                   help="eval AL the best checkpoint is chosen by: overall or <stratum>:<label> (e.g. context:<=2048, "
+                        "category:coding)")
     args = p.parse_args(argv)
     for name in ("ttt_steps", "max_steps", "batch_tokens", "eval_every", "checkpoint_every"):
         if getattr(args, name) < 1:
@@ -121,7 +122,7 @@ def train(args, stop_after: int | None = None) -> dict | None:
     (the test's stand-in for a killed job)."""
     from speculators.losses import resolve_loss_config
 
-    from .acceptance import check_select_by, eval_metrics, evaluate_rows, load_strata, select_value
+    from .acceptance import check_select_by, eval_metrics, evaluate_rows, load_strata, select_value, split_categories
     from .draft_model import build_draft, load_target_head, row_length
 
     threads = set_threads()
@@ -157,7 +158,7 @@ def train(args, stop_after: int | None = None) -> dict | None:
     scheduler = get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, args.max_steps)
     loss_config = resolve_loss_config(args.loss, LOSS_IMPLEMENTATION)
     head = load_target_head(args.model).to(device)
-    strata = load_strata(args.model, args.context_buckets, args.trust_remote_code)
+    strata = load_strata(args.model, args.context_buckets, args.trust_remote_code, split_categories(manifest, "eval"))
     check_select_by(args.select_by, strata)
 
     # resume: rank 0 decides (and clears checkpoints of other settings) before the others look
