@@ -29,7 +29,6 @@ first includes the compile of the eval shapes), optionally a torch.profiler trac
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import statistics
 import sys
@@ -237,7 +236,7 @@ def eval_pass_ms(trainer: Trainer, strata) -> dict:
     return {"ms": round((trainer.sync() - t) * 1000, 1), "acceptance_length": ev["acceptance_length"]}
 
 
-def torch_profile(trainer: Trainer, out_dir: Path, index: int) -> str:
+def torch_profile(trainer: Trainer, out_dir: Path, index: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if trainer.device.type == "cuda" else [])
@@ -247,10 +246,11 @@ def torch_profile(trainer: Trainer, out_dir: Path, index: int) -> str:
             trainer.step(stream, NoClock())
         trainer.sync()
     prof.export_chrome_trace(str(out_dir / "trace.json"))
-    sort = "cuda_time_total" if trainer.device.type == "cuda" else "cpu_time_total"
+    # device_time_total: torch's current name of cuda_time_total (deprecated alias)
+    sort = "device_time_total" if trainer.device.type == "cuda" else "cpu_time_total"
     table = prof.key_averages().table(sort_by=sort, row_limit=25)
     (out_dir / "key_averages.txt").write_text(table)
-    return table
+    return {"trace": str(out_dir / "trace.json"), "sorted_by": sort, "table": table}
 
 
 def phase_table(ms: dict[str, list[float]]) -> dict:
@@ -293,32 +293,47 @@ def main(argv=None) -> dict:
         "torch": torch.__version__, "threads": threads, "batch_tokens": targs.batch_tokens,
         "row_length": trainer.pad_to, "ttt_steps": targs.ttt_steps, "warmup": ours.warmup, "steps": ours.steps,
         "warmup_step_ms": warmup_ms, "phases": phases, "profiled": profiled, "unprofiled": unprofiled,
-        "row_packing": packing_ms(trainer, min(ours.steps, 20), ours.warmup),
-        "loss_in_forward": loss_part_ms(trainer, ours.warmup, reps=min(ours.steps, 10)),
     }
-    result["row_packing"]["to_device_gb_per_s"] = round(
-        result["row_packing"]["row_bytes"] / phases["to_device"]["median_ms"] / 1e6, 2)
-    if not ours.no_eval:
-        strata = load_strata(targs.model, targs.context_buckets, targs.trust_remote_code)
-        result["eval_passes"] = [eval_pass_ms(trainer, strata) for _ in range(2)]  # the first compiles
-
     print(f"\n{'phase':<14}{'ms/step (median)':>18}{'share %':>10}")
     for name, v in phases.items():
         print(f"{name:<14}{v['median_ms']:>18.3f}{v['share_pct']:>10.2f}")
     for name in ("profiled", "unprofiled"):
         r = result[name]
         print(f"{name:<14}{r['ms_per_step']:>18.3f} ms/step{r['tokens_per_s']:>14.0f} tok/s")
-    lp, rp = result["loss_in_forward"], result["row_packing"]
-    print(f"loss inside the forward (no-grad estimate): {lp['loss_ms']:.3f} of {lp['forward_with_loss_ms']:.3f} ms; "
-          f"row packing without prefetch: {rp['median_ms']:.3f} ms/row; host to device "
-          f"{rp['to_device_gb_per_s']:.2f} GB/s")
     print(f"warm-up steps (compile in the first): {warmup_ms} ms")
-    for i, ev in enumerate(result.get("eval_passes", [])):
-        print(f"eval pass {i + 1}: {ev['ms']:.1f} ms (acceptance length {ev['acceptance_length']})")
+    write_json(Path(ours.json), result)  # the step's figures are kept whatever happens below
+
+    def side(name: str, measure) -> None:
+        """A side measurement; its failure is logged and recorded, the figures before it stay."""
+        try:
+            result[name] = measure()
+        except Exception as e:  # one run on a lent GPU: keep going, report it
+            log.exception("%s failed", name)
+            result[name] = {"error": f"{type(e).__name__}: {e}"}
+        write_json(Path(ours.json), result)
+
+    side("row_packing", lambda: packing_ms(trainer, min(ours.steps, 20), ours.warmup))
+    if "error" not in result["row_packing"]:
+        rp = result["row_packing"]
+        rp["to_device_gb_per_s"] = round(rp["row_bytes"] / max(phases["to_device"]["median_ms"], 1e-6) / 1e6, 2)
+        print(f"row packing without prefetch: {rp['median_ms']:.3f} ms/row ({rp['row_bytes']:,} bytes); "
+              f"host to device {rp['to_device_gb_per_s']:.2f} GB/s")
+    side("loss_in_forward", lambda: loss_part_ms(trainer, ours.warmup, reps=min(ours.steps, 10)))
+    if "error" not in (lp := result["loss_in_forward"]):
+        print(f"loss inside the forward (no-grad estimate): {lp['loss_ms']:.3f} of "
+              f"{lp['forward_with_loss_ms']:.3f} ms")
+    if not ours.no_eval:
+        def eval_passes() -> list[dict]:
+            strata = load_strata(targs.model, targs.context_buckets, targs.trust_remote_code)
+            return [eval_pass_ms(trainer, strata) for _ in range(2)]  # the first compiles the eval shapes
+
+        side("eval_passes", eval_passes)
+        for i, ev in enumerate(result["eval_passes"] if isinstance(result["eval_passes"], list) else []):
+            print(f"eval pass {i + 1}: {ev['ms']:.1f} ms (acceptance length {ev['acceptance_length']})")
     if ours.torch_profiler:
-        print(torch_profile(trainer, Path(ours.torch_profiler), ours.warmup))
-        result["torch_profiler"] = str(Path(ours.torch_profiler) / "trace.json")
-    write_json(Path(ours.json), result)
+        side("torch_profiler", lambda: torch_profile(trainer, Path(ours.torch_profiler), ours.warmup))
+        if "error" not in result["torch_profiler"]:
+            print(result["torch_profiler"]["table"])
     return result
 
 
