@@ -50,7 +50,7 @@ running() {
 }
 
 chain() {  # the target once, then the four runs at once
-  python3 -m snakemake --cores all --configfile "$PRESET" results/models/SmolLM2-135M-Instruct || return 1
+  python3 -m snakemake --cores all --configfile "$PRESET" -- results/models/SmolLM2-135M-Instruct || return 1
   local run pids=()
   for run in $RUNS; do
     python3 -m snakemake --cores 4 --nolock --configfile "$PRESET" --config "run_name=$run" "${COMMON[@]}" \

@@ -57,6 +57,9 @@ def make_model(arch: str, out: str, device: str, seed: int = 0) -> None:
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config(arch), dtype=torch.bfloat16)
     model.save_pretrained(out)
+    # a loadable tokenizer (byte-level BPE on a small corpus: it names only the first ids of the
+    # vocabulary), since training and vLLM load one; the data are token ids, never text
+    tiny.make_tokenizer(out, vocab_size=VOCAB)
     n = sum(p.numel() for p in model.parameters())
     print(f"made {arch}: {n / 1e6:.1f}M params -> {out} in {time.time() - t:.1f}s", flush=True)
 
