@@ -32,9 +32,14 @@ ARCHITECTURES = ("auto", "llama", "mla")
 LOSS_IMPLEMENTATION = "eager"
 
 
-def attn_impl_for(device: torch.device | str) -> str:
-    """sdpa on CPU (flex attention has no CPU backward); speculators' compiled flex attention on CUDA."""
-    return "simple_flex_attention" if torch.device(device).type == "cuda" else "sdpa"
+def attn_impl_for(device: torch.device | str, layer_model_type: str | None = None) -> str:
+    """sdpa on CPU (flex attention has no CPU backward) and for MLA layers; speculators' compiled
+    flex attention for other layers on CUDA. MLA's 192-wide query/key heads make the flex kernel
+    torch 2.11 compiles ask 361,472 B of shared memory per block, over the H200's 232,448 (measured
+    2026-12-03), and speculators 0.9.0's simple_flex_attention passes no kernel_options to shrink it."""
+    if torch.device(device).type != "cuda" or layer_model_type == mla_draft.MODEL_TYPE:
+        return "sdpa"
+    return "simple_flex_attention"
 
 
 def row_length(device: torch.device | str, batch_tokens: int) -> int | None:
@@ -151,7 +156,7 @@ def _new_draft(layer_cfg, norm_flags: dict, target, aux_layer_ids, d2t, t2d, ttt
     mla_draft.register_with_speculators()
     model = Eagle3DraftModel.from_training_args(
         layer_cfg, t2d=t2d, d2t=d2t, verifier_name_or_path=str(target), target_layer_ids=list(aux_layer_ids),
-        draft_vocab_size=int(d2t.numel()), ttt_steps=ttt_steps, draft_attn_impl=attn_impl_for(device),
+        draft_vocab_size=int(d2t.numel()), ttt_steps=ttt_steps, draft_attn_impl=attn_impl_for(device, layer_cfg.model_type),
         trust_remote_code=trust_remote_code, **norm_flags,
     )
     return model.to(device)
