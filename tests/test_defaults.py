@@ -33,7 +33,7 @@ REQUIRED_OTHER = {"run_name": "other", "target": {"model": "org/other"}, "data":
 INTENDED_DIFFERENCES: dict[tuple[str, str], str] = {}
 
 # Disagreements in modules other sessions are editing (issue 18). The lead empties this list as they
-# are fixed; a pair listed here that no longer disagrees fails test_pending_pairs_still_disagree.
+# are fixed; a pair listed here that no longer disagrees fails test_listed_differences_are_real.
 PENDING_OTHER_SESSIONS: set[tuple[str, str]] = {
     ("extract_hidden_states", "--device"),  # CLI cpu, schema extract.device cuda
     ("regenerate_responses", "--eval-prompts"),  # CLI None, schema regenerate.eval_prompts package:mtbench
@@ -111,7 +111,7 @@ def param_value(rule, name):
     the rule's own, unformatted, input and output by name."""
     value = rule.params[name]
     if callable(value):
-        wildcards, *named = inspect.signature(value).parameters
+        _wildcards, *named = inspect.signature(value).parameters
         given = {"input": rule.input, "output": rule.output}
         value = value(SimpleNamespace(run="defaults", i="0", r="1"), *(given[a] for a in named))
     return value
@@ -175,41 +175,44 @@ def option_actions(parser) -> dict[str, argparse.Action]:
     return {s: a for a in parser._actions for s in a.option_strings}
 
 
-def disagreements(parser, words: list[str], skipped: set[str]) -> dict[str, tuple]:
-    """flag -> (the parser's default, the value the rule's words give) where they differ; flags
-    whose destination is in ``skipped`` are left out."""
-    given = parser.parse_args(words)
+def compare(parser, required: set[str], words: list[str], other_words: list[str], left_off: set[str]):
+    """(the flags checked, flag -> (the parser's default, what the rule gives) where they differ).
+
+    ``words``: what the rule passes at the schema's defaults; ``other_words``: the same with other
+    values of the required settings (a flag whose value follows them has no default to agree with,
+    nor has a required flag); ``left_off``: switches the rule gives only for a setting's other value,
+    so they must change the parser's value."""
     actions = option_actions(parser)
-    out = {}
-    for word in words:
-        action = actions.get(word)
-        if action is None or action.dest in skipped:
-            continue
-        if getattr(given, action.dest) != action.default:
-            out[word] = (action.default, getattr(given, action.dest))
-    return out
+    given, given_other = vars(parser.parse_args(words)), vars(parser.parse_args(other_words))
+    follows_required = {dest for dest, value in given.items() if value != given_other[dest]}
+    checked = {w for w in words if w in actions and actions[w].dest not in required | follows_required}
+    found = {flag: (actions[flag].default, given[actions[flag].dest]) for flag in checked
+             if given[actions[flag].dest] != actions[flag].default}
+    for flag in left_off:
+        action = actions[flag]
+        if action.nargs == 0:
+            checked.add(flag)
+            if getattr(parser.parse_args([flag]), action.dest) == action.default:
+                found[flag] = (action.default, f"the same with {flag} given")
+    return checked, found
 
 
 # --- the checks ---------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def found() -> dict[tuple[str, str], tuple]:
-    """(module, flag) -> (CLI default, pipeline value at the schema's defaults), for every rule."""
+def workflow_flags() -> tuple[set[tuple[str, str]], dict[tuple[str, str], tuple]]:
+    """(the (module, flag) pairs checked, those whose CLI default differs from what the pipeline
+    passes at the schema's defaults: (module, flag) -> (CLI default, pipeline value)), for every rule."""
     helpers, sources = config_helpers(), rule_sources()
     at_defaults = passed_by_rule(REQUIRED, helpers, sources)
     other = passed_by_rule(REQUIRED_OTHER, helpers, sources)
-    out = {}
+    checked, found = set(), {}
     for rule, (module, words, left_off) in at_defaults.items():
         parser, required = stage_parser(module)
-        # a switch the rule gives only for a setting's other value must mean that other value
-        for flag in left_off:
-            action = option_actions(parser)[flag]
-            if action.nargs == 0 and getattr(parser.parse_args([flag]), action.dest) == action.default:
-                out[module, flag] = (action.default, f"the same with {flag} given")
-        given, given_other = vars(parser.parse_args(words)), vars(parser.parse_args(other[rule][1]))
-        follows_required = {dest for dest, value in given.items() if value != given_other[dest]}
-        out.update({(module, flag): d for flag, d in disagreements(parser, words, required | follows_required).items()})
-    return out
+        rule_checked, rule_found = compare(parser, required, words, other[rule][1], left_off)
+        checked |= {(module, flag) for flag in rule_checked}
+        found.update({(module, flag): d for flag, d in rule_found.items()})
+    return checked, found
 
 
 def test_rule_sources_and_params_are_read():
@@ -227,19 +230,35 @@ def test_a_cli_default_other_than_the_schemas_is_found():
     parser = argparse.ArgumentParser()
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--model")
-    assert disagreements(parser, ["--lr", "0.0003", "--seed", "0", "--model", "m"], {"model"}) == {
-        "--lr": (1e-3, 3e-4)}
+    parser.add_argument("--model")  # fed by a required setting
+    parser.add_argument("--k", type=int)  # required (made optional by stage_parser)
+    parser.add_argument("--eager", action="store_true", default=True)  # given only for the other value
+    words = ["--lr", "0.0003", "--seed", "0", "--model", "m", "--k", "3"]
+    checked, found = compare(parser, {"k"}, words, ["--lr", "0.0003", "--seed", "0", "--model", "n", "--k", "3"],
+                             {"--eager"})
+    assert checked == {"--lr", "--seed", "--eager"}
+    assert found == {"--lr": (1e-3, 3e-4), "--eager": (True, "the same with --eager given")}
 
 
-def test_stage_cli_defaults_are_the_schemas(found):
-    assert found, "no config-fed flag found: the rule parsing broke"
+def test_every_config_fed_flag_is_checked(workflow_flags):
+    checked, _ = workflow_flags
+    assert {("train_draft", "--lr"), ("train_draft", "--context-buckets"), ("extract_hidden_states", "--batch-size"),
+            ("extract_hidden_states", "--enforce-eager"), ("export_draft", "--drop-embedding"),
+            ("export_draft", "--keep-embedding"), ("evaluate", "--parity-z"), ("model_card", "--tensor-parallel-size"),
+            ("benchmark_serving", "--concurrency"), ("prepare_data", "--max-samples"),
+            ("regenerate_responses", "--temperature")} <= checked
+    assert not {("train_draft", "--model"), ("export_draft", "--verifier-name"), ("evaluate", "--k")} & checked
+
+
+def test_stage_cli_defaults_are_the_schemas(workflow_flags):
+    _, found = workflow_flags
     unexpected = {k: v for k, v in found.items() if k not in INTENDED_DIFFERENCES and k not in PENDING_OTHER_SESSIONS}
     assert not unexpected, (
         "CLI default (first) differs from what the pipeline passes at the schema's default (second); "
         f"make them agree or list the flag in INTENDED_DIFFERENCES with the reason: {unexpected}")
 
 
-def test_listed_differences_are_real(found):
+def test_listed_differences_are_real(workflow_flags):
+    _, found = workflow_flags
     stale = (set(INTENDED_DIFFERENCES) | PENDING_OTHER_SESSIONS) - set(found)
     assert not stale, f"these agree now; take them off the lists: {sorted(stale)}"
