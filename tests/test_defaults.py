@@ -1,15 +1,15 @@
 """One source of defaults: config/config.schema.yaml. A stage CLI run by hand behaves as the pipeline
 does with every setting at the schema's default, for each flag a config setting feeds.
 
-The flags and what feeds them are read off the workflow itself: Snakemake loads it with the schema's
-defaults (the required settings given), each rule's shell command names its stage module and the
-``{params.x}`` after each flag, and the rule's ``params:`` source says which of them read ``config``
-(directly or through a helper of rules/common.smk). The stage's own parser (``build_parser()``) then
-reads what the rule passes: a value other than the parser's default is a disagreement.
+What the rules pass is read off the workflow itself: Snakemake loads it with the schema's defaults
+(the required settings given), and each rule's shell command names its stage module and the
+``{params.x}`` after each flag. A param is a setting unless its value names the rule's own files
+(a path with the ``{run}`` wildcard); one that follows the required settings (loaded again with
+other values) has no default to agree with. The stage's own parser (``build_parser()``) then reads
+what the rule passes: a value other than the parser's default is a disagreement.
 """
 
 import argparse
-import ast
 import importlib
 import inspect
 import os
@@ -29,13 +29,14 @@ REQUIRED = {"run_name": "defaults", "target": {"model": "org/model"}, "data": {"
 # The same with other values: a flag whose value follows these has no schema default to agree with.
 REQUIRED_OTHER = {"run_name": "other", "target": {"model": "org/other"}, "data": {"path": "other.jsonl"}}
 
-# (module, flag) pairs whose CLI default differs from the schema's on purpose, with the reason.
+# (rule, flag) pairs whose CLI default differs from the schema's on purpose, with the reason.
 INTENDED_DIFFERENCES: dict[tuple[str, str], str] = {}
 
 # Disagreements in modules other sessions are editing (issue 18). The lead empties this list as they
 # are fixed; a pair listed here that no longer disagrees fails test_listed_differences_are_real.
 PENDING_OTHER_SESSIONS: set[tuple[str, str]] = {
     ("extract_hidden_states", "--device"),  # CLI cpu, schema extract.device cuda
+    ("extract_parity_hidden_states", "--device"),
     ("regenerate_responses", "--eval-prompts"),  # CLI None, schema regenerate.eval_prompts package:mtbench
     ("regenerate_responses", "--temperature"),  # CLI 0.0, schema regenerate.temperature 0.6
     ("regenerate_responses", "--top-p"),  # CLI 1.0, schema regenerate.top_p 0.95
@@ -47,61 +48,18 @@ PARAM_IN_SHELL = re.compile(r"(?:(--[\w-]+) )?'?\{params\.(\w+)(:q)?\}'?")
 STAGE_IN_SHELL = re.compile(r"\beaglepipe\.(\w+) ")
 
 
-# --- what the rule files say -------------------------------------------------------------------------
-
-def rule_sources() -> dict[str, str]:
-    """Rule name -> the source of its definition; `use rule A as B` gets A's (B inherits A's params)."""
-    texts = [p.read_text() for p in sorted((REPO / "rules").glob("*.smk"))]
-    out, aliases = {}, {}
-    for text in texts:
-        for m in re.finditer(r"^\s*rule (\w+):\n(.*?)(?=^\S|^\s*(?:rule|use rule) |\Z)", text, re.M | re.S):
-            out[m.group(1)] = m.group(2)
-        aliases.update(re.findall(r"^\s*use rule (\w+) as (\w+)", text, re.M))
-    for base, alias in aliases.items():
-        out[alias] = out[base]
-    return out
-
-
-def config_helpers() -> set[str]:
-    """The functions of rules/common.smk whose value depends on ``config``, directly or through another."""
-    text = (REPO / "rules" / "common.smk").read_text()
-    bodies = dict(re.findall(r"^def (\w+)\(.*?\n(.*?)(?=^\S|\Z)", text, re.M | re.S))
-    reading = {name for name, body in bodies.items() if "config[" in body}
-    while True:
-        more = {n for n, body in bodies.items() if n not in reading and any(re.search(rf"\b{r}\(", body) for r in reading)}
-        if not more:
-            return reading
-        reading |= more
-
-
-def config_params(rule_source: str, helpers: set[str]) -> dict[str, str]:
-    """The params of a rule whose value reads ``config``: name -> the source of its value."""
-    m = re.search(r"^(\s*)params:\n(.*?)(?=^\1\S|\Z)", rule_source, re.M | re.S)
-    if not m:
-        return {}
-    source = f"dict(\n{m.group(2)})"
-    out = {}
-    for kw in ast.parse(source).body[0].value.keywords:
-        segment = ast.get_source_segment(source, kw.value)
-        names = {n.id for n in ast.walk(kw.value) if isinstance(n, ast.Name)}
-        if "config[" in segment or names & helpers:
-            out[kw.arg] = segment
-    return out
-
-
 # --- what Snakemake makes of them ---------------------------------------------------------------------
 
-def passed_by_rule(config: dict, helpers: set[str], sources: dict[str, str]) -> dict[str, tuple[str, list[str]]]:
-    """Rule -> (its stage module, the words its config-fed params put on the command line), the
-    workflow loaded by Snakemake with ``config`` (validated: the schema fills in the defaults). The
-    words are taken before another load: the rules' functions read the workflow's current config."""
+def passed_by_rule(config: dict) -> dict[str, tuple[str, list[str]]]:
+    """Rule -> (its stage module, the words its settings put on the command line), the workflow
+    loaded by Snakemake with ``config`` (validated: the schema fills in the defaults). The words are
+    taken before another load: the rules' functions read the workflow's current config."""
     cwd = os.getcwd()
     try:
         with SnakemakeApi(OutputSettings(quiet={"all"})) as api:
             workflow = api.workflow(snakefile=REPO / "Snakefile", workdir=REPO, resource_settings=ResourceSettings(),
                                     config_settings=ConfigSettings(config=config))._workflow
-            return {r.name: passed_words(r, config_params(sources[r.name], helpers))
-                    for r in workflow.rules if STAGE_IN_SHELL.search(r.shellcmd or "")}
+            return {r.name: passed_words(r) for r in workflow.rules if STAGE_IN_SHELL.search(r.shellcmd or "")}
     finally:
         os.chdir(cwd)
 
@@ -124,18 +82,22 @@ def as_shell_words(value, quoted: bool) -> list[str]:
     return items if quoted else shlex.split(" ".join(items))
 
 
-def passed_words(rule, fed: dict[str, str]) -> tuple[str, list[str], set[str]]:
-    """(stage module, the words the config-fed params put on its command line, the flags their
-    source spells out that these settings leave off)."""
+def passed_words(rule) -> tuple[str, list[str]]:
+    """(stage module, the words the rule's settings put on its command line)."""
     shell = rule.shellcmd
     m = STAGE_IN_SHELL.search(shell)
-    words, spelled = [], set()
+    words = []
     for flag, name, quoted in PARAM_IN_SHELL.findall(shell[m.end():]):  # the stage's arguments only
-        if name not in fed:
-            continue
-        words += ([flag] if flag else []) + as_shell_words(param_value(rule, name), bool(quoted))
-        spelled |= set(re.findall(r"--[a-z][\w-]*", fed[name]))
-    return m.group(1), words, spelled - set(words)
+        value = param_value(rule, name)
+        if "{run}" not in str(value):  # not one of the rule's own paths
+            words += ([flag] if flag else []) + as_shell_words(value, bool(quoted))
+    return m.group(1), words
+
+
+def workflow_switches() -> set[str]:
+    """The switches the workflow spells out as a whole string (``"--enforce-eager" if ... else ""``)."""
+    texts = [p.read_text() for p in [REPO / "Snakefile", *(REPO / "rules").glob("*.smk")]]
+    return {flag for text in texts for flag in re.findall(r"""["'](--[a-z][\w-]*)["']""", text)}
 
 
 def stage_parser(module: str) -> tuple[argparse.ArgumentParser, set[str]]:
@@ -175,22 +137,22 @@ def option_actions(parser) -> dict[str, argparse.Action]:
     return {s: a for a in parser._actions for s in a.option_strings}
 
 
-def compare(parser, required: set[str], words: list[str], other_words: list[str], left_off: set[str]):
+def compare(parser, required: set[str], words: list[str], other_words: list[str], switches: set[str]):
     """(the flags checked, flag -> (the parser's default, what the rule gives) where they differ).
 
     ``words``: what the rule passes at the schema's defaults; ``other_words``: the same with other
     values of the required settings (a flag whose value follows them has no default to agree with,
-    nor has a required flag); ``left_off``: switches the rule gives only for a setting's other value,
-    so they must change the parser's value."""
+    nor has a required flag); ``switches``: those the workflow gives for a setting's other value: one
+    of the parser's that the rule leaves off must change the parser's value."""
     actions = option_actions(parser)
     given, given_other = vars(parser.parse_args(words)), vars(parser.parse_args(other_words))
     follows_required = {dest for dest, value in given.items() if value != given_other[dest]}
     checked = {w for w in words if w in actions and actions[w].dest not in required | follows_required}
     found = {flag: (actions[flag].default, given[actions[flag].dest]) for flag in checked
              if given[actions[flag].dest] != actions[flag].default}
-    for flag in left_off:
-        action = actions[flag]
-        if action.nargs == 0:
+    for flag in switches - set(words):
+        action = actions.get(flag)
+        if action is not None and action.nargs == 0:
             checked.add(flag)
             if getattr(parser.parse_args([flag]), action.dest) == action.default:
                 found[flag] = (action.default, f"the same with {flag} given")
@@ -201,29 +163,20 @@ def compare(parser, required: set[str], words: list[str], other_words: list[str]
 
 @pytest.fixture(scope="module")
 def workflow_flags() -> tuple[set[tuple[str, str]], dict[tuple[str, str], tuple]]:
-    """(the (module, flag) pairs checked, those whose CLI default differs from what the pipeline
-    passes at the schema's defaults: (module, flag) -> (CLI default, pipeline value)), for every rule."""
-    helpers, sources = config_helpers(), rule_sources()
-    at_defaults = passed_by_rule(REQUIRED, helpers, sources)
-    other = passed_by_rule(REQUIRED_OTHER, helpers, sources)
+    """(the (rule, flag) pairs checked, those whose CLI default differs from what the pipeline
+    passes at the schema's defaults: (rule, flag) -> (CLI default, pipeline value))."""
+    at_defaults, other, switches = passed_by_rule(REQUIRED), passed_by_rule(REQUIRED_OTHER), workflow_switches()
     checked, found = set(), {}
-    for rule, (module, words, left_off) in at_defaults.items():
+    for rule, (module, words) in at_defaults.items():
         parser, required = stage_parser(module)
-        rule_checked, rule_found = compare(parser, required, words, other[rule][1], left_off)
-        checked |= {(module, flag) for flag in rule_checked}
-        found.update({(module, flag): d for flag, d in rule_found.items()})
+        rule_checked, rule_found = compare(parser, required, words, other[rule][1], switches)
+        checked |= {(rule, flag) for flag in rule_checked}
+        found.update({(rule, flag): d for flag, d in rule_found.items()})
     return checked, found
 
 
-def test_rule_sources_and_params_are_read():
-    sources = rule_sources()
-    helpers = config_helpers()
-    assert {"layer_ids_arg", "num_speculative_tokens", "parity_k", "target_arg"} <= helpers
-    assert "code_digest" not in helpers
-    fed = set(config_params(sources["train_draft"], helpers))
-    assert {"ttt", "lr", "buckets", "draft", "launcher", "model"} <= fed and not fed & {"outdir", "code"}
-    assert config_params(sources["extract_parity_hidden_states"], helpers) == config_params(
-        sources["extract_hidden_states"], helpers)
+def test_workflow_switches_are_read():
+    assert {"--enforce-eager", "--drop-embedding", "--keep-embedding", "--trust-remote-code"} <= workflow_switches()
 
 
 def test_a_cli_default_other_than_the_schemas_is_found():
@@ -235,7 +188,7 @@ def test_a_cli_default_other_than_the_schemas_is_found():
     parser.add_argument("--eager", action="store_true", default=True)  # given only for the other value
     words = ["--lr", "0.0003", "--seed", "0", "--model", "m", "--k", "3"]
     checked, found = compare(parser, {"k"}, words, ["--lr", "0.0003", "--seed", "0", "--model", "n", "--k", "3"],
-                             {"--eager"})
+                             {"--eager", "--elsewhere"})
     assert checked == {"--lr", "--seed", "--eager"}
     assert found == {"--lr": (1e-3, 3e-4), "--eager": (True, "the same with --eager given")}
 
@@ -243,11 +196,13 @@ def test_a_cli_default_other_than_the_schemas_is_found():
 def test_every_config_fed_flag_is_checked(workflow_flags):
     checked, _ = workflow_flags
     assert {("train_draft", "--lr"), ("train_draft", "--context-buckets"), ("extract_hidden_states", "--batch-size"),
-            ("extract_hidden_states", "--enforce-eager"), ("export_draft", "--drop-embedding"),
-            ("export_draft", "--keep-embedding"), ("evaluate", "--parity-z"), ("model_card", "--tensor-parallel-size"),
-            ("benchmark_serving", "--concurrency"), ("prepare_data", "--max-samples"),
-            ("regenerate_responses", "--temperature")} <= checked
-    assert not {("train_draft", "--model"), ("export_draft", "--verifier-name"), ("evaluate", "--k")} & checked
+            ("extract_parity_hidden_states", "--enforce-eager"), ("export_draft", "--drop-embedding"),
+            ("export_draft", "--keep-embedding"), ("evaluate_parity", "--parity-z"),
+            ("model_card", "--tensor-parallel-size"), ("benchmark_serving", "--concurrency"),
+            ("prepare_data", "--max-samples"), ("regenerate_responses", "--temperature")} <= checked
+    # required flags, flags following the required settings, the rules' own paths
+    assert not {("train_draft", "--model"), ("export_draft", "--verifier-name"), ("evaluate_offline", "--k"),
+                ("extract_hidden_states", "--shard-dir"), ("train_draft", "--out-dir")} & checked
 
 
 def test_stage_cli_defaults_are_the_schemas(workflow_flags):
