@@ -16,6 +16,7 @@ include: "rules/extract.smk"
 include: "rules/train.smk"
 include: "rules/export.smk"
 include: "rules/evaluate.smk"
+include: "rules/card.smk"
 
 
 localrules:

@@ -11,8 +11,8 @@
 set -u
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
+# vLLM's environment defaults: set by the stages themselves (scripts/eaglepipe/vllm_env.py)
 export PYTHONPATH="$REPO/scripts:${PYTHONPATH:-/tmp/site}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_WORKER_MULTIPROC_METHOD=spawn
 O=${OUT:-/tmp/out}
 W=${WORK:-/tmp/gpu_check_extraction}
 mkdir -p "$O" "$W"

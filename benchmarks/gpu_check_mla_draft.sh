@@ -26,7 +26,8 @@ K=${K:-3}
 STEPS=${STEPS:-300}
 mkdir -p "$W" "$O"
 export PYTHONPATH="${SITE:-/tmp/site}:$REPO/scripts${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_WORKER_MULTIPROC_METHOD=spawn
+# vLLM's environment defaults: set by the stages themselves (scripts/eaglepipe/vllm_env.py)
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 
 finish() {
   cp "$W/summary.txt" "$W/serving.json" "$W/parity.json" "$O/" 2>/dev/null

@@ -58,9 +58,9 @@ start() {
   if [ -f "$PIDFILE" ] && kill -0 "$(cat "$PIDFILE")" 2>/dev/null; then
     echo "already running (pid $(cat "$PIDFILE"))"; return
   fi
-  # --resources gpu=1: one GPU, so the GPU jobs run one at a time
-  VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_WORKER_MULTIPROC_METHOD=spawn HF_HUB_OFFLINE=1 \
-    VLLM_NO_USAGE_STATS=1 PYTHONUNBUFFERED=1 \
+  # --resources gpu=1: one GPU, so the GPU jobs run one at a time. vLLM's environment defaults:
+  # set by the stages themselves (scripts/eaglepipe/vllm_env.py)
+  HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 PYTHONUNBUFFERED=1 \
     setsid nohup bash -c 'python3 -m snakemake --cores all --resources gpu=1 --configfile "$@"; echo "snakemake exit $?"' \
     _ "$PRESET" "$@" > "$LOG" 2>&1 < /dev/null &
   echo $! > "$PIDFILE"

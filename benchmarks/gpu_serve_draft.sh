@@ -25,7 +25,8 @@ REPO=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$OUT"
 
 export PYTHONPATH="$SITE:$REPO/scripts${PYTHONPATH:+:$PYTHONPATH}"
-export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_WORKER_MULTIPROC_METHOD=spawn HF_HUB_OFFLINE=1
+# vLLM's environment defaults: set by the stages themselves (scripts/eaglepipe/vllm_env.py)
+export HF_HUB_OFFLINE=1
 trust=()
 [ "${TRUST_REMOTE_CODE:-0}" = 1 ] && trust=(--trust-remote-code)
 

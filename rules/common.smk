@@ -192,12 +192,8 @@ def replica_parts(wildcards):
 
 def replica_part_files(run):
     r = config["extract"]["replicas"]
-    return expand(
-        "results/{run}/hidden_states/parts/replica-{i}-of-{r}.json",
-        run=run,
-        i=range(r),
-        r=r,
-    )
+    # called once the rules are defined (rule all, job inputs)
+    return expand(rules.extract_hidden_states.output.part, run=run, i=range(r), r=r)
 
 
 def every_output():

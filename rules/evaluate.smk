@@ -1,7 +1,7 @@
 rule evaluate_offline:
     input:
-        draft="results/{run}/draft/model.safetensors",
-        manifest="results/{run}/hidden_states/manifest.json",
+        draft=rules.export_draft.output.weights,
+        manifest=rules.gather_hidden_states.output.manifest,
         model=target_input(),
     output:
         report(
@@ -30,10 +30,10 @@ rule evaluate_offline:
 
 rule plot_report:
     input:
-        metrics="results/{run}/train/metrics.jsonl",
-        stats="results/{run}/data/stats.json",
-        manifest="results/{run}/hidden_states/manifest.json",
-        offline="results/{run}/eval/offline.json",
+        metrics=rules.train_draft.output.metrics,
+        stats=rules.prepare_data.output.stats,
+        manifest=rules.gather_hidden_states.output.manifest,
+        offline=rules.evaluate_offline.output[0],
     output:
         training=report(
             "results/{run}/report/training.svg",
@@ -60,9 +60,9 @@ rule plot_report:
 
 rule benchmark_serving:
     input:
-        draft="results/{run}/draft/config.json",
-        eval="results/{run}/data/eval.jsonl",
-        offline="results/{run}/eval/offline.json",
+        draft=rules.export_draft.output.config,
+        eval=rules.prepare_data.output.eval,
+        offline=rules.evaluate_offline.output[0],
         model=target_input(),
     output:
         serving=report(
@@ -116,8 +116,8 @@ rule benchmark_serving:
 # extraction rule itself, on the parity samples, with its own shard directory (eval/parity/shards).
 use rule extract_hidden_states as extract_parity_hidden_states with:
     input:
-        train="results/{run}/eval/parity/train.jsonl",
-        eval="results/{run}/eval/parity/eval.jsonl",
+        train=rules.benchmark_serving.output.no_train,
+        eval=rules.benchmark_serving.output.samples,
         model=target_input(),
     output:
         part="results/{run}/eval/parity/parts/replica-{i}-of-{r}.json",
@@ -129,10 +129,15 @@ use rule extract_hidden_states as extract_parity_hidden_states with:
 
 rule evaluate_parity:
     input:
-        draft="results/{run}/draft/model.safetensors",
+        draft=rules.export_draft.output.weights,
         # one replica's part manifest covers the whole (small) parity set
-        manifest="results/{run}/eval/parity/parts/replica-0-of-1.json",
-        serving="results/{run}/eval/serving.json",
+        manifest=expand(
+            rules.extract_parity_hidden_states.output.part,
+            i=0,
+            r=1,
+            allow_missing=True,
+        ),
+        serving=rules.benchmark_serving.output.serving,
         model=target_input(),
     output:
         report(
@@ -161,7 +166,7 @@ rule evaluate_parity:
 
 rule plot_serving:
     input:
-        "results/{run}/eval/serving.json",
+        rules.benchmark_serving.output.serving,
     output:
         report(
             "results/{run}/report/serving.svg",

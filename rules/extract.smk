@@ -4,8 +4,8 @@
 # outputs of failed jobs, which would throw finished shards away).
 rule extract_hidden_states:
     input:
-        train="results/{run}/data/train.jsonl",
-        eval="results/{run}/data/eval.jsonl",
+        train=rules.prepare_data.output.train,
+        eval=rules.prepare_data.output.eval,
         model=target_input(),
     output:
         part="results/{run}/hidden_states/parts/replica-{i}-of-{r}.json",

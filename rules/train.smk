@@ -2,8 +2,8 @@
 # from its last complete checkpoint instead of starting over.
 rule train_draft:
     input:
-        manifest="results/{run}/hidden_states/manifest.json",
-        vocab="results/{run}/data/vocab_mapping.safetensors",
+        manifest=rules.gather_hidden_states.output.manifest,
+        vocab=rules.vocab_mapping.output[0],
         model=target_input(),
     output:
         summary="results/{run}/train/summary.json",

@@ -92,3 +92,14 @@ def test_every_stage_module_opens_with_the_rules_that_run_it_and_the_map_lists_t
         assert first_line.startswith("Stage") and rule in first_line, (rule, module, first_line)
         row = next((r for r in package_doc.splitlines() if r.startswith(f"| {rule}") or f", {rule} |" in r), None)
         assert row and f"| {module} |" in row, (rule, module)
+
+
+def test_vllm_environment_defaults_are_set_by_the_stages_only():
+    # scripts/eaglepipe/vllm_env.py sets them in every process that starts an engine; a copy in a
+    # script or rule would be a second place to keep in step
+    from eaglepipe.vllm_env import VLLM_ENV_DEFAULTS
+
+    places = [REPO / "Snakefile", REPO / "setup.sh", *(REPO / "rules").glob("*.smk"), *(REPO / "benchmarks").glob("*.sh")]
+    copies = [(p.relative_to(REPO).as_posix(), key) for p in places for key in VLLM_ENV_DEFAULTS
+              if re.search(rf"\b{key}=", p.read_text())]
+    assert len(places) > 5 and not copies, copies

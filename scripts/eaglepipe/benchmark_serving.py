@@ -284,7 +284,7 @@ def int_list(text: str) -> list[int]:
     return sorted(values)
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="target: local dir or hub id")
     p.add_argument("--serve-model", default=None, help="the name `vllm serve` is given (default: --model)")
@@ -307,6 +307,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the share of each GPU's memory one engine may take (weights, activations, KV cache)")
     p.add_argument("--out", required=True, help="serving.json")
     p.add_argument("--parity-samples", required=True, help="JSONL of the parity window's sequences")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = build_parser()
     a = p.parse_args(argv)
     for flag in ("num_prompts", "max_tokens", "tensor_parallel_size", "min_output_tokens", "parity_min_requests"):
         if getattr(a, flag) < 1:

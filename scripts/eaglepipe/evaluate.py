@@ -29,7 +29,7 @@ log = logging.getLogger("eaglepipe.evaluate")
 EVAL_BATCH_TOKENS = 8192
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m eaglepipe.evaluate", description=__doc__.split("\n")[0])
     p.add_argument("--draft", required=True, help="exported draft directory (config.json + model.safetensors)")
     p.add_argument("--manifest", required=True)
@@ -42,6 +42,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--parity-z", type=float, default=3.0, help="standard errors the parity tolerance allows")
     p.add_argument("--out", required=True)
     add_strata_arguments(p)
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.k < 1:
         p.error(f"--k {args.k}: must be >= 1")

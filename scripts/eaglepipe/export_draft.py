@@ -292,7 +292,7 @@ def mla_roundtrip_check(out_dir: Path, target: str, written: dict[str, torch.Ten
             raise ExportError(f"export {name}: tensor {key!r} reads back different from what was written")
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--summary", required=True, help="train/summary.json written by train_draft")
     p.add_argument("--which", choices=["best", "last"], default="best")
@@ -302,6 +302,11 @@ def main(argv: list[str] | None = None) -> None:
     emb.add_argument("--drop-embedding", dest="drop_embedding", action="store_true", default=True)
     emb.add_argument("--keep-embedding", dest="drop_embedding", action="store_false")
     p.add_argument("--out-dir", required=True)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = build_parser()
     args = p.parse_args(argv)
     try:
         info = export_draft(args.summary, args.which, args.verifier_name, args.num_speculative_tokens,

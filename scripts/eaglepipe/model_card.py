@@ -114,7 +114,7 @@ def card(config: dict, summary: dict, which: str, data_stats: dict, offline: dic
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--draft-config", required=True, help="config.json of the exported draft")
     p.add_argument("--summary", required=True, help="train/summary.json")
@@ -125,6 +125,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="the TP the target is served with")
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--out", required=True)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = build_parser()
     args = p.parse_args(argv)
     where = {"config": args.draft_config, "summary": args.summary, "offline": args.offline}
     if args.serving:

@@ -40,7 +40,7 @@ from .shards import load_manifest
 log = logging.getLogger("eaglepipe.train_draft")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m eaglepipe.train_draft", description=__doc__.split("\n")[0])
     p.add_argument("--manifest", required=True, help="hidden-state manifest.json")
     p.add_argument("--vocab", required=True, help="vocab_mapping.safetensors (d2t, t2d)")
@@ -65,6 +65,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--select-by", default=OVERALL,
                    help="eval AL the best checkpoint is chosen by: overall or <stratum>:<label> (e.g. context:<=2048, "
                         "category:coding)")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = build_parser()
     args = p.parse_args(argv)
     for name in ("ttt_steps", "max_steps", "batch_tokens", "eval_every", "checkpoint_every"):
         if getattr(args, name) < 1:

@@ -51,11 +51,16 @@ def build(freq: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torc
     return d2t, t2d, info
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m eaglepipe.vocab_mapping", description=__doc__)
     p.add_argument("--token-freq", required=True, type=Path, help="token_freq.safetensors from prepare_data")
     p.add_argument("--draft-vocab-size", required=True, type=int)
     p.add_argument("--out", required=True, type=Path)
+    return p
+
+
+def main(argv=None):
+    p = build_parser()
     args = p.parse_args(argv)
     if args.draft_vocab_size < 1:
         p.error(f"--draft-vocab-size must be >= 1, got {args.draft_vocab_size}")

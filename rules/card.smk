@@ -1,0 +1,30 @@
+# The card reports what the run measured, so it is written after evaluation (and serving); its own
+# file, included after rules/evaluate.smk, so that it can name those rules' outputs.
+rule model_card:
+    input:
+        config=rules.export_draft.output.config,
+        summary=rules.train_draft.output.summary,
+        stats=rules.prepare_data.output.stats,
+        offline=rules.evaluate_offline.output[0],
+        serving=(
+            rules.benchmark_serving.output.serving
+            if config["benchmark_serving"]["enabled"]
+            else []
+        ),
+    output:
+        protected("results/{run}/draft/README.md"),
+    log:
+        "results/{run}/logs/model_card.log",
+    conda:
+        "../envs/eaglepipe.yaml"
+    params:
+        which=config["export"]["which"],
+        serving=lambda wc, input: f"--serving {input.serving}" if input.serving else "",
+        tp=config["extract"]["tensor_parallel_size"],
+        trust=trust_flag(),
+        code=code_digest("model_card"),
+    shell:
+        f"{STAGE}.model_card "
+        "--draft-config {input.config} --summary {input.summary} --which {params.which} "
+        "--data-stats {input.stats} --offline {input.offline} {params.serving} "
+        "--tensor-parallel-size {params.tp} {params.trust} --out {output} > {log} 2>&1"
