@@ -18,8 +18,8 @@ cd "$(dirname "$0")/.."
 PRESET=config/presets/smollm2-h200.yaml
 W=results/regen-table
 mkdir -p "$W"
-export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_WORKER_MULTIPROC_METHOD=spawn HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 \
-  PYTHONUNBUFFERED=1
+# vLLM's environment defaults: set by the stages themselves (scripts/eaglepipe/vllm_env.py)
+export HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 PYTHONUNBUFFERED=1
 RUNS="regen17-data regen17-greedy-first regen17-t06-first regen17-t06-all"
 COMMON=(
   'data={"max_samples": 4000}'

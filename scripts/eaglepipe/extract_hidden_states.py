@@ -110,7 +110,7 @@ def parse_args(argv=None):
     ap.add_argument("--revision", default=None)
     ap.add_argument("--trust-remote-code", action="store_true")
     ap.add_argument("--backend", choices=["hf", "vllm"], default="hf")
-    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="hf backend only")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cuda", help="hf backend only")
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="vllm backend only")
     ap.add_argument("--layer-ids", default="auto", help="auto or ascending ids ending with num_hidden_layers")
     ap.add_argument("--batch-size", type=int, default=64, help="samples per shard")

@@ -445,18 +445,18 @@ def parse_modes(text: str) -> tuple[Mode, ...]:
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as e:
-        raise SystemExit(f"--modes is not JSON: {e}") from e
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from e
     if not isinstance(raw, list) or not raw:
-        raise SystemExit("--modes must be a non-empty JSON list of {name, weight, chat_template_kwargs}")
+        raise argparse.ArgumentTypeError("must be a non-empty JSON list of {name, weight, chat_template_kwargs}")
     modes = []
     for i, m in enumerate(raw):
         if not isinstance(m, dict) or not isinstance(m.get("name"), str) or not isinstance(
                 m.get("weight", 1), (int, float)) or m.get("weight", 1) <= 0 or not isinstance(
                 m.get("chat_template_kwargs", {}), dict):
-            raise SystemExit(f"--modes[{i}]: expected {{name: str, weight: > 0, chat_template_kwargs: object}}, got {m!r}")
+            raise argparse.ArgumentTypeError(f"[{i}]: expected {{name: str, weight: > 0, chat_template_kwargs: object}}, got {m!r}")
         modes.append(Mode(m["name"], float(m.get("weight", 1)), m.get("chat_template_kwargs", {})))
     if len({m.name for m in modes}) != len(modes):
-        raise SystemExit(f"--modes: mode names must be unique, got {[m.name for m in modes]}")
+        raise argparse.ArgumentTypeError(f"mode names must be unique, got {[m.name for m in modes]}")
     return tuple(modes)
 
 
@@ -477,7 +477,7 @@ def regenerate(args) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(args.model, revision=args.revision,
                                               trust_remote_code=args.trust_remote_code)
     stops = stop_token_ids(tokenizer, args.model, args.revision, args.trust_remote_code)
-    modes = parse_modes(args.modes)
+    modes = args.modes
     templates = mode_templates(tokenizer, args.chat_template, modes)
     settings = Settings(
         model=args.model, revision=args.revision,
@@ -530,13 +530,13 @@ def main(argv=None):
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--max-samples", type=int, default=0, help="read at most this many records; 0 = all")
     p.add_argument("--turns", choices=["all", "first"], default="all")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--temperature", type=float, default=0.6, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--max-new-tokens", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chat-template", default=None,
                    help="a template file, used only when the tokenizer has none (prompts are rendered as vLLM serves them)")
-    p.add_argument("--modes", default='[{"name": "default", "weight": 1, "chat_template_kwargs": {}}]',
+    p.add_argument("--modes", type=parse_modes, default='[{"name": "default", "weight": 1, "chat_template_kwargs": {}}]',
                    help="JSON list of {name, weight, chat_template_kwargs}: one drawn per conversation")
     p.add_argument("--on-truncated", choices=["keep", "drop"], default="keep")
     p.add_argument("--on-loop", choices=["keep", "drop"], default="drop")
