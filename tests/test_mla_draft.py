@@ -157,18 +157,19 @@ def exported(run, tmp_path_factory):
 def test_cli_export_is_what_vllm_serves_as_eagle3_deepseek(exported, run):
     cfg = json.loads((exported / "draft" / "config.json").read_text())
     target = target_text_config(run["model"])
-    assert cfg["architectures"] == ["Eagle3DeepseekV3ForCausalLM"] and cfg["model_type"] == "deepseek_v3"
+    assert cfg["architectures"] == ["Eagle3DeepseekV3ForCausalLM"] and cfg["model_type"] == "kimi_k2"
     assert "speculators_config" not in cfg and "speculators_model_type" not in cfg  # not the speculators format
     assert {k: cfg[k] for k in MLA_SHAPE_KEYS} == {k: getattr(target, k) for k in MLA_SHAPE_KEYS}
     assert cfg["intermediate_size"] == 96 and cfg["num_hidden_layers"] == 1 and cfg["first_k_dense_replace"] == 1
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5] and cfg["num_aux_hidden_states"] == 3
     assert cfg["eaglepipe"] == {"draft_architecture": "mla", "verifier": "org/dsv3", "num_speculative_tokens": 3}
     assert {k: cfg[k] for k in mla_draft.NORM_FLAGS} == mla_draft.NORM_FLAGS
-    # as vLLM reads it: transformers' config class keeps the EAGLE-3 keys as attributes, and the
-    # rope_scaling that vLLM's draft layer turns into deepseek_yarn carries what that rotation needs
-    from transformers import AutoConfig
+    # as vLLM reads it (its config registry reads kimi_k2 with DeepseekV3Config): the class keeps the
+    # EAGLE-3 keys as attributes, and the rope_scaling that vLLM's draft layer turns into
+    # deepseek_yarn carries what that rotation needs
+    from transformers import DeepseekV3Config
 
-    loaded = AutoConfig.from_pretrained(str(exported / "draft"))
+    loaded = DeepseekV3Config.from_pretrained(str(exported / "draft"))
     assert type(loaded).__name__ == "DeepseekV3Config" and loaded.architectures == ["Eagle3DeepseekV3ForCausalLM"]
     assert (loaded.draft_vocab_size, loaded.target_hidden_size, loaded.num_aux_hidden_states) == (256, 64, 3)
     assert loaded.eagle_aux_hidden_state_layer_ids == [1, 3, 5] and loaded.norm_before_residual and loaded.norm_output
@@ -423,3 +424,31 @@ def test_snakemake_run_on_a_deepseek_v3_target_delivers_an_mla_draft(tmp_path):
     assert "draft architecture mla (auto requested): deepseek_v3 decoder layer" in train_log
     assert json.loads((run / "eval" / "offline.json").read_text())["acceptance_length"] >= 1.0
 
+
+def test_vllm_keeps_the_exported_model_type_on_the_eagle3_path(exported):
+    """vLLM 0.26.0 applies SpeculativeConfig.hf_config_override to every draft config: run that
+    function from the wheel's source on our exported config; it must leave the EAGLE-3 architecture
+    (a deepseek_v3 model_type became DeepSeek MTP there and the H200 refused the draft)."""
+    wheel = vllm_wheel()
+    if wheel is None or not wheel.is_file():
+        pytest.skip("the vllm 0.26.0 wheel is not here: pip download --no-deps vllm==0.26.0 -d /tmp/vllmwheel")
+    with zipfile.ZipFile(wheel) as z:
+        speculative = ast.parse(z.read("vllm/config/speculative.py").decode())
+        registry = z.read("vllm/transformers_utils/config.py").decode()
+    override = next(n for n in ast.walk(speculative)
+                    if isinstance(n, ast.FunctionDef) and n.name == "hf_config_override")
+    override.decorator_list = []
+    namespace = {"PretrainedConfig": object}
+    exec(compile(ast.Module([override], []), "speculative.py", "exec"), namespace)
+
+    class Config(SimpleNamespace):
+        def update(self, values):
+            self.__dict__.update(values)
+
+    cfg = json.loads((exported / "draft" / "config.json").read_text())
+    ours = namespace["hf_config_override"](Config(**cfg))
+    assert (ours.model_type, ours.architectures) == (cfg["model_type"], ["Eagle3DeepseekV3ForCausalLM"])
+    assert f'{cfg["model_type"]}="DeepseekV3Config"' in registry.replace(" ", "")  # read as DeepseekV3Config
+    # the comparison sees the failure the H200 showed
+    mtp = namespace["hf_config_override"](Config(**{**cfg, "model_type": "deepseek_v3"}))
+    assert mtp.architectures == ["DeepSeekMTPModel"]

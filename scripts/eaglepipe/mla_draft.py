@@ -24,6 +24,13 @@ import torch
 
 MODEL_TYPE = "deepseek_v3"
 SERVED_ARCHITECTURE = "Eagle3DeepseekV3ForCausalLM"  # registry alias of Eagle3DeepseekV2ForCausalLM
+# The exported config's model_type. Not deepseek_v3: vLLM 0.26.0's SpeculativeConfig.hf_config_override
+# (vllm/config/speculative.py) turns a draft of model_type deepseek_v3 into DeepSeek MTP, and the
+# H200 refused our first export ("Model architectures ['Eagle3DeepSeekMTPModel'] are not supported").
+# kimi_k2 is read as DeepseekV3Config (vllm/transformers_utils/config.py _CONFIG_REGISTRY), is an MLA
+# model type for vLLM and is left alone by that override; NVIDIA ModelOpt's Kimi-K2 EAGLE export
+# writes the same.
+SERVED_MODEL_TYPE = "kimi_k2"
 NUM_DRAFT_LAYERS = 1
 # vLLM's DeepseekV2Eagle3Model has no norm over the concatenated aux states before fc (the Llama
 # draft's norm_before_fc), so the MLA draft trains without it; the other three flags it honours.
@@ -173,7 +180,7 @@ def served_config(export_cfg: dict) -> dict:
     return {
         **layer,
         "architectures": [SERVED_ARCHITECTURE],
-        "model_type": MODEL_TYPE,
+        "model_type": SERVED_MODEL_TYPE,
         "dtype": export_cfg.get("dtype", "bfloat16"),
         "draft_vocab_size": export_cfg["draft_vocab_size"],
         "target_hidden_size": layer["hidden_size"],
@@ -189,7 +196,9 @@ def card_view(served: dict) -> dict:
     """The exported config in the speculators layout the model card reads, with ``served_as``."""
     spec = served[EXPORT_KEY]
     return {**{k: served[k] for k in ("draft_vocab_size", *NORM_FLAGS)}, "served_as": SERVED_ARCHITECTURE,
-            "transformer_layer_config": {k: v for k, v in served.items() if k not in EAGLE_KEYS},
+            # the layer trained and served is DeepseekV3's (model_type kimi_k2 only steers vLLM's loader)
+            "transformer_layer_config": {**{k: v for k, v in served.items() if k not in EAGLE_KEYS},
+                                         "model_type": MODEL_TYPE},
             "speculators_config": {"verifier": {"name_or_path": spec["verifier"]},
                                    "proposal_methods": [{"speculative_tokens": spec["num_speculative_tokens"]}]}}
 
@@ -198,7 +207,8 @@ def served_layer_config(served: dict):
     """The draft's DeepseekV3 layer config back from an exported config.json (for evaluation)."""
     from transformers import DeepseekV3Config
 
-    return DeepseekV3Config(**{k: v for k, v in served.items() if k not in EAGLE_KEYS and k != "architectures"})
+    return DeepseekV3Config(**{k: v for k, v in served.items()
+                               if k not in EAGLE_KEYS and k not in ("architectures", "model_type")})
 
 
 def served_shapes(served: dict) -> dict[str, tuple]:
