@@ -22,7 +22,7 @@ from eaglepipe.chat_template import ChatTemplate
 from eaglepipe.degenerate import distinct_ngram_share, is_loop
 from eaglepipe.generation import Finished, Sampling, VLLMGenerator
 from eaglepipe.regenerate_responses import (
-    Mode, Regenerator, Settings, assemble, batched_parts, mode_templates, pick_mode, read_mtbench, request_seed,
+    Mode, Regenerator, Settings, answer_points, assemble, batched_parts, mode_templates, pick_mode, read_mtbench, request_seed,
 )
 from workflow import REPO, copy_workflow, dry_run, snakemake, write_config
 
@@ -244,6 +244,30 @@ def test_a_dropped_later_answer_ends_the_conversation_and_keeps_the_earlier(tmp_
     assert stats["kept"] == 1 and stats["ended_early_by_reason"] == {"loop": 1}
 
 
+def test_tool_calls_stay_and_the_target_answers_their_results(tmp_path):
+    tok = tiny.make_tokenizer(tmp_path / "tok", **tiny.FAMILIES["qwen3"])
+    call = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call:0", "type": "function", "function": {"name": "lookup", "arguments": '{"word": "water"}'}}]}
+    messages = [{"role": "user", "content": "what is water?"}, call,
+                {"role": "tool", "tool_call_id": "call:0", "content": "a word."},
+                {"role": "tool", "tool_call_id": "call:1", "content": "new."},
+                {"role": "assistant", "content": "ORIGINAL answer"}, {"role": "user", "content": "and then?"}]
+    assert answer_points(messages, "all") == [3, 5] and answer_points(messages, "first") == [3]
+    c = Chat("c0", messages, "test:c0", tools=[tiny.TOOL_SPEC])
+    records, stats, gen = run_scripted(tmp_path, tok, [c], lambda pos, turn, prompt: (ANSWERS[turn], "stop"))
+
+    template = ChatTemplate(tok)
+    first = template.prompt_ids(messages[:4], [tiny.TOOL_SPEC])  # the source's call and both results
+    assert gen.prompts["0-0-0"] == first and "lookup" in tok.decode(first)
+    history = messages[:4] + [{"role": "assistant", "content": ANSWERS[0]}, messages[5]]
+    assert gen.prompts["0-0-1"] == template.prompt_ids(history, [tiny.TOOL_SPEC])
+    (rec,) = records
+    assert rec["answers"] == ANSWERS and "ORIGINAL" not in tok.decode(rec["input_ids"])
+    masked = [t for t, m in zip(rec["input_ids"], rec["loss_mask"]) if m]
+    assert masked == [t for a in ANSWERS for t in tok.encode(a, add_special_tokens=False) + [STOP]]
+    assert stats["kept"] == 1 and stats["skipped"] == 0
+
+
 def test_bad_inputs_are_counted(tmp_path, tok):
     data = tmp_path / "chats.jsonl"
     lines = [
@@ -263,7 +287,7 @@ def test_bad_inputs_are_counted(tmp_path, tok):
     records, stats, _ = run_scripted(tmp_path, tok, list(iter_chats(str(data))), answer, batch_size=8,
                                      max_model_len=128)
     assert [r["id"] for r in records] == ["ok"]
-    assert stats["skipped_by_reason"] == {"bad_json": 1, "unknown_role": 1, "duplicate_id": 1, "no_user_turn": 1,
+    assert stats["skipped_by_reason"] == {"bad_json": 1, "unknown_role": 1, "duplicate_id": 1, "nothing_to_answer": 1,
                                           "prompt_too_long": 1, "failed": 1}
     assert stats["failed"] == [{"conversation": "aborted", "source": f"{data}:7",
                                 "error": "the engine finished the request with 'abort'"}]

