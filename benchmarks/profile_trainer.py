@@ -165,7 +165,7 @@ class Trainer:
         return real, int(b["input_ids"].shape[1])
 
     def stream(self, index: int):
-        return prefetch(self.rows().batches(0, index))
+        return prefetch(self.rows().stream(0, index))
 
     def sync(self) -> float:
         if self.device.type == "cuda":
@@ -190,7 +190,7 @@ def run_steps(trainer: Trainer, steps: int, index: int, clock) -> dict:
 def packing_ms(trainer: Trainer, rows: int, index: int) -> dict:
     """Host ms to pack one row, without the prefetch thread (what it hides behind the step)."""
     ms = []
-    batches = trainer.rows().batches(0, index)
+    batches = trainer.rows().stream(0, index)
     t = time.perf_counter()
     for _ in range(rows):
         _, batch = next(batches)
@@ -205,7 +205,7 @@ def loss_part_ms(trainer: Trainer, index: int, reps: int) -> dict:
     """No-grad forward of the same row with the verifier states (targets, loss, metrics) and without
     (draft tokens only): the difference estimates the loss's ms inside the training forward."""
     a = trainer.targs
-    _, batch = next(trainer.rows().batches(0, index))
+    _, batch = next(trainer.rows().stream(0, index))
     b = {k: batch[k].to(trainer.device) for k in ROW_KEYS}
     no_loss = {k: v for k, v in b.items() if k != "verifier_last_hidden_states"}
     out = {}

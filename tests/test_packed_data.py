@@ -163,27 +163,27 @@ def test_long_sample_truncated_and_counted(tmp_path, caplog):
 def test_shuffle_deterministic_and_resumable(tmp_path):
     m = random_manifest(tmp_path, [[4, 5, 3], [6, 2, 2], [7, 3]])
     a = PackedRows(m, "train", batch_tokens=9, seed=1)
-    stream = a.batches()
+    stream = a.stream()
     first = [next(stream) for _ in range(12)]  # crosses epochs
     assert {pos[0] for pos, _ in first} == {0, 1, 2}
-    again = PackedRows(m, "train", batch_tokens=9, seed=1).batches()
+    again = PackedRows(m, "train", batch_tokens=9, seed=1).stream()
     assert [row_tokens(b) for _, b in first] == [row_tokens(next(again)[1]) for _ in range(12)]
-    other = PackedRows(m, "train", batch_tokens=9, seed=2).batches()
+    other = PackedRows(m, "train", batch_tokens=9, seed=2).stream()
     assert [row_tokens(b) for _, b in first] != [row_tokens(next(other)[1]) for _ in range(12)]
     epoch0 = [row_tokens(b) for pos, b in first if pos[0] == 0]
     epoch1 = [row_tokens(b) for pos, b in first if pos[0] == 1]
     assert sorted(sum(epoch0, [])) == sorted(sum(epoch1, [])) and epoch0 != epoch1
     # resume from a saved position yields exactly the rest of the stream
     pos, _ = first[4]
-    resumed = PackedRows(m, "train", batch_tokens=9, seed=1).batches(*pos)
+    resumed = PackedRows(m, "train", batch_tokens=9, seed=1).stream(*pos)
     assert [row_tokens(b) for _, b in first[5:]] == [row_tokens(next(resumed)[1]) for _ in range(7)]
 
 
 def test_ranks_take_disjoint_rows(tmp_path):
     m = random_manifest(tmp_path, [[4, 5, 3], [6, 2, 2], [7, 3]])
-    single = [row_tokens(b) for _, (_, b) in zip(range(4), PackedRows(m, "train", 9, seed=3).batches(), strict=False)]
-    r0 = PackedRows(m, "train", 9, seed=3, rank=0, world_size=2).batches()
-    r1 = PackedRows(m, "train", 9, seed=3, rank=1, world_size=2).batches()
+    single = [row_tokens(b) for _, (_, b) in zip(range(4), PackedRows(m, "train", 9, seed=3).stream(), strict=False)]
+    r0 = PackedRows(m, "train", 9, seed=3, rank=0, world_size=2).stream()
+    r1 = PackedRows(m, "train", 9, seed=3, rank=1, world_size=2).stream()
     (p0, b0), (p1, b1) = next(r0), next(r1)
     assert p0 == p1 == (0, 2)
     assert [row_tokens(b0), row_tokens(b1)] == single[:2]

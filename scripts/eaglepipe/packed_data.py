@@ -103,8 +103,8 @@ class PackedRows:
             yield row
 
     # ------------------------------------------------------------------ iteration
-    def batches(self, epoch: int = 0, index: int = 0) -> Iterator[tuple[tuple[int, int], dict]]:
-        """Endless training stream from position (epoch, index): yields (next position, batch).
+    def stream(self, epoch: int = 0, index: int = 0) -> Iterator[tuple[tuple[int, int], dict]]:
+        """Endless training stream from position (epoch, index): yields (next position, row).
 
         Each yield consumes world_size rows; an epoch's last rows that cannot fill every rank are
         dropped so all ranks step together.

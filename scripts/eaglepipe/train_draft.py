@@ -218,7 +218,7 @@ def train(args, stop_after: int | None = None) -> dict | None:
 
     # the next rows are packed by a thread while this step runs (on a GPU that was idle time)
     stream = prefetch(PackedRows(manifest, "train", args.batch_tokens, seed=args.seed, shuffle=True, rank=rank,
-                                 world_size=world, pad_to=row_length(device, args.batch_tokens)).batches(*position))
+                                 world_size=world, pad_to=row_length(device, args.batch_tokens)).stream(*position))
     log_every = max(1, args.max_steps // 200)
     keys = ("hidden_states", "input_ids", "document_ids", "loss_mask", "position_ids", "verifier_last_hidden_states")
     window_tokens, window_start = 0, time.perf_counter()
