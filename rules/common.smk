@@ -75,12 +75,6 @@ VLLM_CACHE_ROOT = (
 VLLM_ENV = f"VLLM_CACHE_ROOT={shlex.quote(VLLM_CACHE_ROOT)}"
 
 
-def kv_cache_flag():
-    """The fixed KV cache of every rule that starts vLLM (vllm.kv_cache_gib); none: vLLM sizes it."""
-    gib = config["vllm"]["kv_cache_gib"]
-    return "" if gib is None else f"--kv-cache-gib {gib}"
-
-
 wildcard_constraints:
     run=re.escape(config["run_name"]),
     i=r"\d+",
@@ -153,6 +147,12 @@ def trust_flag():
 def revision_flag():
     rev = config["target"]["revision"]
     return f"--revision {rev}" if rev else ""
+
+
+def kv_cache_flag():
+    """The fixed KV cache (vllm.kv_cache_gib) of each vLLM engine; none when vLLM sizes it."""
+    gib = config["vllm"]["kv_cache_gib"]
+    return "" if gib is None else f"--kv-cache-gib {gib}"
 
 
 def extract_gpus():
