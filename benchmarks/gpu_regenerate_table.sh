@@ -25,6 +25,7 @@ COMMON=(
   'data={"max_samples": 4000}'
   'evaluate={"prompts": "package:mtbench"}'
   'extract={"enforce_eager": true, "gpu_memory_utilization": 0.1}'
+  'vllm={"kv_cache_gib": 8}'
   'benchmark_serving={"enabled": true, "k": [3], "concurrency": [1], "num_prompts": 80}'
 )
 regenerate_of() {

@@ -149,6 +149,12 @@ def revision_flag():
     return f"--revision {rev}" if rev else ""
 
 
+def kv_cache_flag():
+    """The fixed KV cache (vllm.kv_cache_gib) of each vLLM engine; none when vLLM sizes it."""
+    gib = config["vllm"]["kv_cache_gib"]
+    return "" if gib is None else f"--kv-cache-gib {gib}"
+
+
 def extract_gpus():
     ex = config["extract"]
     if ex["backend"] == "vllm":
@@ -322,6 +328,7 @@ def regenerate_params(data, max_samples, sampling):
         max_model_len=config["extract"]["max_model_len"],
         gpu_util=config["extract"]["gpu_memory_utilization"],
         eager="--enforce-eager" if config["extract"]["enforce_eager"] else "",
+        kv_cache=kv_cache_flag(),
         seed=rg["seed"],
         modes=regenerate_modes(),
         template=regenerate_template_flag(),
@@ -341,7 +348,7 @@ REGENERATE_SHELL = (
     "--model {params.model} {params.revision} {params.trust} --backend {params.backend} "
     "--device {params.device} --dtype {params.dtype} --tensor-parallel-size {params.tp} "
     "--max-model-len {params.max_model_len} --gpu-memory-utilization {params.gpu_util} {params.eager} "
-    "--max-samples {params.max_samples} --turns {params.turns} --temperature {params.temperature} "
+    "{params.kv_cache} --max-samples {params.max_samples} --turns {params.turns} --temperature {params.temperature} "
     "--top-p {params.top_p} --max-new-tokens {params.max_new_tokens} --seed {params.seed} "
     "--modes {params.modes:q} {params.template} --on-truncated {params.on_truncated} --on-loop {params.on_loop} "
     "--loop-ngram {params.loop_ngram} --loop-min-distinct-share {params.loop_share} "

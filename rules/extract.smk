@@ -34,6 +34,7 @@ rule extract_hidden_states:
         max_model_len=config["extract"]["max_model_len"],
         gpu_util=config["extract"]["gpu_memory_utilization"],
         eager="--enforce-eager" if config["extract"]["enforce_eager"] else "",
+        kv_cache=kv_cache_flag(),
         staging=config["extract"]["staging_dir"],
         shard_dir=lambda wc, output: os.path.join(
             os.path.dirname(os.path.dirname(output.part)), "shards"
@@ -46,7 +47,7 @@ rule extract_hidden_states:
         "--device {params.device} --tensor-parallel-size {params.tp} --layer-ids {params.layer_ids} "
         "--batch-size {params.batch_size} --storage-dtype {params.storage} --dtype {params.dtype} "
         "--max-model-len {params.max_model_len} --gpu-memory-utilization {params.gpu_util} "
-        "{params.eager} --staging-dir {params.staging:q} --shard-dir {params.shard_dir} --replica {wildcards.i} "
+        "{params.eager} {params.kv_cache} --staging-dir {params.staging:q} --shard-dir {params.shard_dir} --replica {wildcards.i} "
         "--replicas {wildcards.r} --out {output.part} > {log} 2>&1"
 
 

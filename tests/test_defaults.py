@@ -224,3 +224,19 @@ def test_listed_differences_are_real(workflow_flags):
     _, found = workflow_flags
     stale = (set(INTENDED_DIFFERENCES) | PENDING_OTHER_SESSIONS) - set(found)
     assert not stale, f"these agree now; take them off the lists: {sorted(stale)}"
+
+
+VLLM_RULES = {"regenerate_responses", "regenerate_eval_prompts", "extract_hidden_states",
+              "extract_parity_hidden_states", "benchmark_serving"}
+
+
+def test_the_kv_cache_setting_reaches_every_vllm_rule_only_when_set():
+    at_default, when_set = passed_by_rule(REQUIRED), passed_by_rule({**REQUIRED, "vllm": {"kv_cache_gib": 8}})
+    assert VLLM_RULES <= set(when_set)
+    for rule, (module, words) in when_set.items():
+        assert "--kv-cache-gib" not in at_default[rule][1], rule
+        if rule in VLLM_RULES:
+            parser, _ = stage_parser(module)
+            assert parser.parse_args(words).kv_cache_gib == 8.0, (rule, words)
+        else:
+            assert "--kv-cache-gib" not in words, rule

@@ -36,7 +36,7 @@ from .atomic import atomic_path, write_json
 from .serving_sweep import (CONVENTION, counter_delta, explain_divergences, parity_samples, recommend,
                             spec_counters, sweep_rows, window_done)
 from .tokenized_samples import iter_prepared
-from .vllm_env import set_vllm_env_defaults
+from .vllm_env import add_kv_cache_argument, kv_cache_kwargs, set_vllm_env_defaults
 
 ENGINE_WARMUP_TOKENS = 16
 PARITY_CONCURRENCY = 1
@@ -165,7 +165,7 @@ def run_engine(settings: dict, prompts: list[list[int]], k: int | None, result_p
     llm = LLM(
         model=settings["model"], tensor_parallel_size=settings["tensor_parallel_size"],
         trust_remote_code=settings["trust_remote_code"], dtype=settings["dtype"], seed=0,
-        gpu_memory_utilization=settings["gpu_memory_utilization"],
+        gpu_memory_utilization=settings["gpu_memory_utilization"], **kv_cache_kwargs(settings["kv_cache_gib"]),
         max_model_len=max(map(len, prompts)) + settings["max_tokens"] + (k or 0) + 1,
         # every request pays its own prefill, as distinct user prompts would (the prompts cycle)
         enable_prefix_caching=False,
@@ -305,6 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="the share of each GPU's memory one engine may take (weights, activations, KV cache)")
+    add_kv_cache_argument(p)
     p.add_argument("--out", required=True, help="serving.json")
     p.add_argument("--parity-samples", required=True, help="JSONL of the parity window's sequences")
     return p
@@ -341,6 +342,7 @@ def main(argv: list[str] | None = None) -> None:
         f"skipped {dict(skipped) or 'none'}")
     settings = {"model": a.model, "serve_model": a.serve_model or a.model, "draft": a.draft,
                 "tensor_parallel_size": a.tensor_parallel_size, "gpu_memory_utilization": a.gpu_memory_utilization,
+                "kv_cache_gib": a.kv_cache_gib,
                 "trust_remote_code": a.trust_remote_code,
                 "dtype": a.dtype, "max_tokens": a.max_tokens, "concurrency": a.concurrency,
                 "min_seconds": a.min_seconds, "min_output_tokens": a.min_output_tokens, "parity_k": a.parity_k,

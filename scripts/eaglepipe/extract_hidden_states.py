@@ -36,6 +36,7 @@ from .layers import CONVENTION, resolve_layer_ids
 from .shard_pipeline import extract, reusable_row, writer_count
 from .tokenized_samples import read_prepared
 from .units import human_bytes
+from .vllm_env import add_kv_cache_argument
 from .writer_pool import POOLS, make_pool
 
 SPLITS = ("train", "eval")
@@ -77,7 +78,8 @@ def tokenizer_digest(model: str, revision: str | None) -> str | None:
 
 # Flags that do not change what a shard holds; every other flag does (a new flag counts until it
 # is listed here), so a shard made with any other value is never reused. The backend, device and
-# vLLM engine flags count: other kernels give other bits.
+# vLLM engine flags count: other kernels give other bits (the memory flags, --kv-cache-gib too:
+# the KV cache bounds the batches the engine runs, and another batch shape is other kernels).
 RESULT_NEUTRAL = {
     "train": "each shard's samples are compared one by one",
     "eval": "each shard's samples are compared one by one",
@@ -119,6 +121,7 @@ def parse_args(argv=None):
     ap.add_argument("--max-model-len", type=int, default=8192, help="vllm backend only")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="vllm backend only")
     ap.add_argument("--enforce-eager", action="store_true", help="vllm backend only")
+    add_kv_cache_argument(ap)
     ap.add_argument("--staging-dir", default="auto",
                     help="vllm backend: where vLLM's per-request files wait to be packed: auto (the RAM disk "
                          f"{disk_budget.RAM_DISK} when it has room, else the shard directory), shards, or a directory")
@@ -153,7 +156,7 @@ def load_backend(args, layer_ids, num_hidden_layers, staging: Path | None):
             tensor_parallel_size=args.tensor_parallel_size, max_model_len=args.max_model_len,
             gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
             revision=args.revision, trust_remote_code=args.trust_remote_code,
-            connector_threads=args.connector_threads)
+            connector_threads=args.connector_threads, kv_cache_gib=args.kv_cache_gib)
     from .extract_hf import HFExtractor
 
     return HFExtractor(args.model, layer_ids, num_hidden_layers, DTYPES[args.dtype], device=args.device,

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from .vllm_env import set_vllm_env_defaults
+from .vllm_env import kv_cache_kwargs, set_vllm_env_defaults
 
 # Tokens queued in the engine and not yet finished: several scheduler steps' worth keeps the GPU
 # busy while the caller is busy, and it bounds the files staged at any time.
@@ -36,7 +36,7 @@ class VLLMExtractor:
                  tensor_parallel_size: int = 1, max_model_len: int = 8192,
                  gpu_memory_utilization: float = 0.9, enforce_eager: bool = False,
                  revision: str | None = None, trust_remote_code: bool = False,
-                 connector_threads: int | None = None):
+                 connector_threads: int | None = None, kv_cache_gib: float | None = None):
         set_vllm_env_defaults()
         from vllm import LLM, SamplingParams
         from vllm.sampling_params import RequestOutputKind
@@ -49,6 +49,7 @@ class VLLMExtractor:
             skip_tokenizer_init=True, dtype=dtype, enable_prefix_caching=False,
             tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
             gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager, seed=0,
+            **kv_cache_kwargs(kv_cache_gib),
             speculative_config={
                 "method": "extract_hidden_states", "num_speculative_tokens": 1,
                 "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}},

@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-from .vllm_env import set_vllm_env_defaults
+from .vllm_env import kv_cache_kwargs, set_vllm_env_defaults
 
 
 class Sampling(NamedTuple):
@@ -110,7 +110,8 @@ class VLLMGenerator:
     @classmethod
     def load(cls, model: str, sampling: Sampling, dtype: str, tensor_parallel_size: int = 1,
              max_model_len: int = 8192, gpu_memory_utilization: float = 0.9, enforce_eager: bool = False,
-             revision: str | None = None, trust_remote_code: bool = False) -> "VLLMGenerator":
+             revision: str | None = None, trust_remote_code: bool = False,
+             kv_cache_gib: float | None = None) -> "VLLMGenerator":
         set_vllm_env_defaults()
         from vllm import LLM, SamplingParams
         from vllm.sampling_params import RequestOutputKind
@@ -119,6 +120,7 @@ class VLLMGenerator:
             model=model, revision=revision, trust_remote_code=trust_remote_code, skip_tokenizer_init=True,
             dtype=dtype, tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
             gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager, seed=0,
+            **kv_cache_kwargs(kv_cache_gib),
         )
         # detokenize=False: the engine has no tokenizer (skip_tokenizer_init); we decode ourselves
         return cls(llm, sampling, partial(SamplingParams, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY))

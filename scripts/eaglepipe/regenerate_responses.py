@@ -53,6 +53,7 @@ from eaglepipe.chat_template import ChatTemplate
 from eaglepipe.degenerate import is_loop
 from eaglepipe.generation import Finished, HFGenerator, Sampling, VLLMGenerator, stop_token_ids
 from eaglepipe.progress import TokenProgress
+from eaglepipe.vllm_env import add_kv_cache_argument
 
 PART_FORMAT = 1
 EXAMPLES_PER_REASON = 5
@@ -481,7 +482,7 @@ def make_generator(args, sampling: Sampling):
                                   tensor_parallel_size=args.tensor_parallel_size, max_model_len=args.max_model_len,
                                   gpu_memory_utilization=args.gpu_memory_utilization,
                                   enforce_eager=args.enforce_eager, revision=args.revision,
-                                  trust_remote_code=args.trust_remote_code)
+                                  trust_remote_code=args.trust_remote_code, kv_cache_gib=args.kv_cache_gib)
     return HFGenerator(args.model, sampling, device=args.device, dtype=args.dtype, revision=args.revision,
                        trust_remote_code=args.trust_remote_code)
 
@@ -543,6 +544,7 @@ def main(argv=None):
     p.add_argument("--max-model-len", type=int, default=8192, help="prompt + answer tokens at most")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enforce-eager", action="store_true")
+    add_kv_cache_argument(p)
     p.add_argument("--max-samples", type=int, default=0, help="read at most this many records; 0 = all")
     p.add_argument("--turns", choices=["all", "first"], default="all")
     p.add_argument("--temperature", type=float, default=0.6, help="0 = greedy")
