@@ -58,7 +58,7 @@ def cli(tmp_path, model, *extra, n_train=6, n_eval=2, vocab=400):
         tiny.make_tokenized(train, n_train, vocab, seed=1, prefix="t")
         tiny.make_tokenized(tmp_path / "eval.jsonl", n_eval, vocab, seed=2, prefix="e")
     argv = ["--train", str(train), "--eval", str(tmp_path / "eval.jsonl"), "--model", str(model),
-            "--batch-size", "4", "--shard-dir", str(tmp_path / "hs" / "shards"),
+            "--device", "cpu", "--batch-size", "4", "--shard-dir", str(tmp_path / "hs" / "shards"),
             "--out", str(tmp_path / "hs" / "parts" / "replica-0-of-1.json"), *extra]
     ehs.main(argv)
     return json.loads((tmp_path / "hs" / "parts" / "replica-0-of-1.json").read_text())

@@ -91,7 +91,7 @@ def test_changed_settings_or_samples_rewrite_shards(tmp_path, tiny_llama, capsys
 
     def run(*extra):
         ehs.main(["--train", str(tmp_path / "train.jsonl"), "--eval", str(tmp_path / "eval.jsonl"),
-                  "--model", str(tiny_llama), "--batch-size", "4", "--shard-dir", str(tmp_path / "shards"),
+                  "--model", str(tiny_llama), "--device", "cpu", "--batch-size", "4", "--shard-dir", str(tmp_path / "shards"),
                   "--out", str(tmp_path / "part.json"), *extra])
         return last_line_of(capsys.readouterr().err, "reused")
 
@@ -116,7 +116,7 @@ def test_categories_go_to_the_manifest_and_a_changed_one_rewrites_no_shard(tmp_p
             json.dumps({k: v for k, v in {**r, "category": c}.items() if v is not None}) + "\n"
             for r, c in zip(lines, categories)))
         ehs.main(["--train", str(tmp_path / "train.jsonl"), "--eval", str(tmp_path / "eval.jsonl"),
-                  "--model", str(tiny_llama), "--batch-size", "4", "--shard-dir", str(tmp_path / "shards"),
+                  "--model", str(tiny_llama), "--device", "cpu", "--batch-size", "4", "--shard-dir", str(tmp_path / "shards"),
                   "--out", str(tmp_path / "part.json")])
         m = json.loads((tmp_path / "part.json").read_text())
         return last_line_of(capsys.readouterr().err, "reused"), m["splits"]

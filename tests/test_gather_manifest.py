@@ -20,7 +20,7 @@ def run(tmp_path_factory, tiny_llama):
     for name, replicas in (("two", 2), ("one", 1)):
         for i in range(replicas):
             ehs.main(["--train", str(d / "train.jsonl"), "--eval", str(d / "eval.jsonl"),
-                      "--model", str(tiny_llama), "--batch-size", "2",
+                      "--model", str(tiny_llama), "--device", "cpu", "--batch-size", "2",
                       "--shard-dir", str(d / name / "shards"), "--replica", str(i), "--replicas", str(replicas),
                       "--out", str(d / name / "parts" / f"replica-{i}-of-{replicas}.json")])
     return d

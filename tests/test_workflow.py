@@ -315,7 +315,11 @@ def test_h200_preset_dry_run_plans_every_stage_on_one_gpu(tmp_path):
         return b[: b.index("\n\n")]
 
     assert "--recipe smollm2-gguf" in block("build_target")  # SmolLM2 built, as in the default
-    assert "--max-samples 6000" in block("prepare_data") and "--max-length 1024" in block("prepare_data")
+    regenerate, prepare = block("regenerate_responses"), block("prepare_data")
+    assert "gpu=1" in regenerate and "--backend vllm" in regenerate and "--max-samples 6000" in regenerate
+    assert "--data package:mtbench" in block("regenerate_eval_prompts") and "--temperature 0 " in block(
+        "regenerate_eval_prompts")
+    assert "--pretokenized" in prepare and "--eval-data" in prepare and "--max-length 1024" in prepare
     extract = block("extract_hidden_states")
     assert out.count("rule extract_hidden_states:") == 1 and "gpu=1" in extract
     for flag in ("VLLM_CACHE_ROOT=results/smollm2-h200/vllm-cache ", "--backend vllm",
