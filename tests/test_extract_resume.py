@@ -156,3 +156,23 @@ def test_a_full_disk_names_the_shard_directory(tmp_path, monkeypatch):
                                          f"free space in {tmp_path}"):
         shards.write_shard(tmp_path / "x.safetensors", torch.zeros(2, 2, 4), torch.zeros(2), torch.zeros(2),
                            torch.zeros(1), torch.tensor([0, 2]), {})
+
+
+def test_a_replica_removes_only_its_own_leftovers(tmp_path, tiny_llama, capsys):
+    """Replicas share the shard directory and run at once: one must never delete another's write in
+    progress (a SLURM run lost a shard that way)."""
+    tiny.make_tokenized(tmp_path / "train.jsonl", 8, 400, seed=3, prefix="t")
+    tiny.make_tokenized(tmp_path / "eval.jsonl", 4, 400, seed=4, prefix="e")
+    shard_dir = tmp_path / "shards"
+    shard_dir.mkdir()
+    others = shard_dir / ".tmp-train-000001.safetensors.inflight"  # batch 1: replica 1's
+    own = shard_dir / ".tmp-train-000000.safetensors.killed"  # batch 0: replica 0's
+    others.write_bytes(b"being written")
+    own.write_bytes(b"left by a kill -9")
+    ehs.main(["--train", str(tmp_path / "train.jsonl"), "--eval", str(tmp_path / "eval.jsonl"),
+              "--model", str(tiny_llama), "--device", "cpu", "--batch-size", "4", "--shard-dir", str(shard_dir),
+              "--replica", "0", "--replicas", "2", "--out", str(tmp_path / "part.json")])
+    assert "removed 1 stale temporary files" in capsys.readouterr().err
+    assert others.read_bytes() == b"being written" and not own.exists()
+    assert sorted(p.name for p in shard_dir.glob("*.safetensors")) == \
+        ["eval-000000.safetensors", "train-000000.safetensors"]

@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -105,12 +106,15 @@ def sha256_file(path: str | os.PathLike) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def remove_stale_temporaries(directory: str | os.PathLike) -> int:
-    """Delete ``.tmp-*`` leftovers of writes a crash interrupted; return how many."""
+def remove_stale_temporaries(directory: str | os.PathLike, names: Iterable[str] | None = None) -> int:
+    """Delete ``.tmp-*`` leftovers of writes a crash interrupted; return how many. ``names``: only
+    the leftovers of these target file names, for a directory that concurrent jobs write into
+    (one job must not delete another's write in progress)."""
     directory = Path(directory)
     if not directory.is_dir():
         return 0
-    stale = list(directory.glob(".tmp-*"))
+    patterns = [".tmp-*"] if names is None else [f".tmp-{name}.*" for name in names]
+    stale = [p for pattern in patterns for p in directory.glob(pattern)]
     for p in stale:
         p.unlink(missing_ok=True)
     return len(stale)

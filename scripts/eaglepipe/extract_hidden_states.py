@@ -186,9 +186,6 @@ def run(args) -> None:
     settings = settings_of(args, layer_ids, tokenizer)
     shard_dir = Path(args.shard_dir)
     shard_dir.mkdir(parents=True, exist_ok=True)
-    stale = remove_stale_temporaries(shard_dir)
-    if stale:
-        log(f"removed {stale} stale temporary files from {shard_dir}")
 
     # ---- plan: every split's batches, this replica's share, what can be reused
     data = {"train": read_prepared(args.train), "eval": read_prepared(args.eval)}
@@ -203,6 +200,10 @@ def run(args) -> None:
     batches = {split: [data[split][i:i + args.batch_size] for i in range(0, len(data[split]), args.batch_size)]
                for split in SPLITS}
     mine = [(split, b) for split in SPLITS for b in range(len(batches[split])) if b % args.replicas == args.replica]
+    # only this replica's leftovers: the other replicas write into the same directory at the same time
+    stale = remove_stale_temporaries(shard_dir, [shards.shard_name(split, b) for split, b in mine])
+    if stale:
+        log(f"removed {stale} stale temporary files from {shard_dir}")
     rows: dict[str, list[dict]] = {split: [] for split in SPLITS}
     empty: dict[str, list[int]] = {split: [] for split in SPLITS}
     skipped: list[dict] = []
