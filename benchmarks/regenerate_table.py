@@ -5,8 +5,10 @@
 
 Per run (a results/<run_name> directory): the regeneration's accounting (answers kept, loops and
 answers at max_new_tokens among those generated, tok/s), the tokens trained, the offline AL on the
-fixed evaluation set (eval/offline.json: evaluate.prompts, e.g. MT-Bench), and vLLM's online AL at
-concurrency 1 with its speedup (eval/serving.json), and offline / online. ``--serving`` files
+fixed evaluation set (eval/offline.json: evaluate.prompts, e.g. MT-Bench; per token, and as served:
+the positions vLLM drafts at, tokens per draft, where the file has it), vLLM's online AL at
+concurrency 1 with its speedup (eval/serving.json), and offline / online at the offline estimate's
+K (as served where known, else per token). ``--serving`` files
 (benchmark_serving run on its own, e.g. with the GPU to itself) replace a run's serving figures when
 their draft is that run's.
 """
@@ -50,11 +52,15 @@ def row(run: Path, isolated: dict[str, dict]) -> dict:
         r["eval_samples"] = data["splits"]["eval"]["samples"]
     if offline:
         r["offline_al"] = offline["acceptance_length"]
+        r["offline_k"] = offline["k"]
+        r["offline_al_as_served"] = (offline.get("as_served") or {}).get("acceptance_length")
     src = isolated.get(str((run / "draft").resolve())) or serving
     if src:
         r.update(concurrency_one(src), serving_measured="alone on the GPU" if src is not serving else "in the run")
-        if "offline_al" in r and r.get("online_al"):
-            r["offline_over_online"] = r["offline_al"] / r["online_al"]
+        online = r.get("by_k", {}).get(r.get("offline_k"), {}).get("al")
+        estimate = r.get("offline_al_as_served") or r.get("offline_al")
+        if estimate and online:
+            r["offline_over_online"] = estimate / online
     return r
 
 
@@ -77,14 +83,16 @@ def main() -> None:
             isolated[str(Path(s["draft"]).resolve())] = s
     rows = [row(r, isolated) for r in a.runs]
     print("| run | answers | T / top_p / turns | kept / read | loops, at cap | regen tok/s | trained tokens "
-          "| offline AL (fixed set) | online AL c=1 (K) | speedup c=1 | offline / online |")
+          "| offline AL (fixed set): per token, as served | online AL c=1 (K) | speedup c=1 "
+          "| offline / online (same K) |")
     print("|" + " --- |" * 11)
     for r in rows:
-        sampling = f"{r['temperature']} / {r['top_p']} / {r['turns']}" if "turns" in r else "-"
+        temperature = "greedy" if r.get("temperature") == 0 else f"{r.get('temperature')} / {r.get('top_p')}"
+        sampling = f"{temperature} / {r['turns']}" if "turns" in r else "-"
         kept = f"{r['conversations_kept']} / {r['read']}" if "read" in r else "-"
         degenerate = f"{r['loops']:.0%}, {r['at_max_new_tokens']:.0%}" if "loops" in r else "-"
         print(f"| {r['run']} | {r['answers']} | {sampling} | {kept} | {degenerate} | {fmt(r.get('generated_tok_per_s'), ',.0f')} "
-              f"| {fmt(r.get('trained_tokens'), ',')} | {fmt(r.get('offline_al'), '.3f')} "
+              f"| {fmt(r.get('trained_tokens'), ',')} | {fmt(r.get('offline_al'), '.3f')}, {fmt(r.get('offline_al_as_served'), '.3f')} "
               f"| {fmt(r.get('online_al'), '.3f')} ({fmt(r.get('k'))}) | {fmt(r.get('speedup'), '.2f')}"
               f"{'*' if a.shared_gpu and r.get('serving_measured') == 'in the run' else ''} | {fmt(r.get('offline_over_online'), '.3f')} |")
     if a.shared_gpu and any(r.get("serving_measured") == "in the run" for r in rows):

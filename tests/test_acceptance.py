@@ -236,6 +236,9 @@ def test_ttt_alignment_oracle_reaches_accuracy_one(tiny_llama, tmp_path):
     assert right["per_position_acceptance"] == [1.0, 1.0, 1.0]
     assert right["chains_cut"] == 0  # greedy data: only response ends stop a chain
     assert 3.0 < right["acceptance_length"] <= 4.0
+    # as served: every draft vLLM would make accepts all 3 (the span's last positions are tail)
+    assert right["as_served"]["acceptance_length"] == 4.0 and right["as_served"]["tail"] > 0
+    assert right["as_served"]["accepted_per_position"] == [1.0, 1.0, 1.0]
     assert run_eval(shift=1, batch_tokens=400) == right  # packing does not change the estimate
     assert run_eval(shift=1, pad_to=128) == right  # nor do the pads that GPU rows get
     strata = Strata((8, 16))

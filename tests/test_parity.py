@@ -13,7 +13,7 @@ from test_evaluate import export_like
 from test_packed_data import make_run
 
 from eaglepipe import evaluate
-from eaglepipe.acceptance import replay_walk, walk_counts
+from eaglepipe.acceptance import chain_counts, replay_walk, summarize, walk_counts
 from eaglepipe.draft_model import LOSS_IMPLEMENTATION, load_draft, load_target_head
 from eaglepipe.packed_data import PackedRows
 from eaglepipe.parity import compare, report, tolerance
@@ -45,6 +45,26 @@ def test_walk_follows_vllm_drafting_positions():
             11: [1, 1], 12: [0, 0], 13: [0, 0]}          # doc 1: 11 -> 14: its step 1 is past the span (tail)
     c = walk_counts(*chains(16, 2, hits, mask, doc))
     assert c == {"drafts": 5, "accepted_per_pos": [4, 3], "cut": 0, "tail": 1}
+
+
+def test_as_served_weighs_stretches_by_drafts_not_tokens():
+    """An easy stretch (every draft accepted) beside a hard one (none): the mean over tokens counts
+    each token once, serving drafts once per K+1 easy tokens but at every hard one."""
+    K, T = 3, 16
+    mask, doc = [1] * T, [0] * T
+    hits = {t: [1, 1, 1] for t in range(8)}  # tokens 0-7 easy, 8-15 hard
+    hit, evaluable, valid, mask_t, doc_t = chains(T, K, hits, mask, doc)
+    counts = chain_counts(hit, evaluable, valid)
+    walk = walk_counts(hit, evaluable, valid, mask_t, doc_t)
+    counts.update({f"walk_{key}": torch.tensor(walk[key]) for key in ("drafts", "cut", "tail")},
+                  walk_accepted=torch.tensor(walk["accepted_per_pos"]))
+    s = summarize(counts)
+    # per token: 16 anchors, the 8 easy ones accepting 3 each
+    assert s["acceptance_length"] == pytest.approx(1 + 24 / 16)
+    # as served: drafts at 0, 4 (3 accepted each), then 8..13 (none); 14, 15 are tail
+    assert walk == {"drafts": 8, "accepted_per_pos": [2, 2, 2], "cut": 0, "tail": 2}
+    assert s["as_served"]["acceptance_length"] == pytest.approx(1 + 6 / 8)
+    assert s["as_served"]["accepted_per_position"] == pytest.approx([0.25, 0.25, 0.25])
 
 
 def test_walk_counts_cut_chains():

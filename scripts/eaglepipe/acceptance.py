@@ -28,6 +28,15 @@ CONVENTION = ("acceptance_length = 1 + mean number of accepted draft tokens per 
               "(the target's bonus token counted, as vLLM and SGLang report it); greedy top-1 chain of k draft "
               "tokens; per_position_acceptance[k] = P(step k accepted | steps < k accepted); "
               "accuracy_per_position[k] = P(step k correct) with teacher-forced inputs")
+# Every position is an anchor above: a mean over tokens. Serving drafts only where the previous draft
+# ended, so its AL is output tokens per draft: easy stretches (one draft per K+1 tokens) weigh less
+# than hard ones (one draft per token), and the mean over tokens is the higher of the two whenever
+# easiness varies (e.g. loops beside prose). ``as_served`` replays those positions (``walk_counts``).
+AS_SERVED = ("as_served: the anchors vLLM drafts at on this text (the first generated token, then past each "
+             "draft's accepted tokens and the bonus token), counted as vLLM's spec-decode counters count: "
+             "acceptance_length = 1 + accepted tokens / drafts, accepted_per_position[i] = share of drafts "
+             "whose steps 0..i were all accepted; this is the figure to hold against vLLM's AL on the same "
+             "prompts")
 REFERENCE = ("target greedy token = argmax over the full target vocabulary of lm_head(final_norm(stored "
              "final-layer state)); a chain stops where the data token differs from it or the assistant "
              "span ends, so the estimate is conditional on the data path")
@@ -74,7 +83,7 @@ def summarize(counts: dict) -> dict:
         return [round(float(x) / float(y), 6) if float(y) else None for x, y in zip(a, b, strict=True)]
 
     anchors = int(counts["anchors"])
-    return {
+    out = {
         "acceptance_length": round(1.0 + float(counts["accepted"]) / anchors, 6) if anchors else None,
         "k": int(counts["reach"].numel()),
         "per_position_acceptance": ratio(counts["reach_hit"], counts["reach"]),
@@ -84,6 +93,16 @@ def summarize(counts: dict) -> dict:
         "convention": CONVENTION,
         "reference": REFERENCE,
     }
+    if "walk_drafts" in counts:
+        drafts = int(counts["walk_drafts"])
+        out["as_served"] = {
+            "acceptance_length": round(1.0 + float(counts["walk_accepted"].sum()) / drafts, 6) if drafts else None,
+            "accepted_per_position": [round(float(a) / drafts, 6) if drafts else None
+                                      for a in counts["walk_accepted"]],
+            "drafts": drafts, "cut": int(counts["walk_cut"]), "tail": int(counts["walk_tail"]),
+            "convention": AS_SERVED,
+        }
+    return out
 
 
 def anchor_tensors(draft_ids: torch.Tensor, greedy: torch.Tensor, input_ids: torch.Tensor,
@@ -345,6 +364,10 @@ def evaluate_rows(model, rows, head: torch.Tensor, k: int, loss_config, ttt_step
         b = {key: batch[key].to(device) for key in ROW_KEYS}
         hit, evaluable, valid, loss, metrics = row_chains(model, b, head, k, loss_config, ttt_step_loss_decay)
         counts = chain_counts(hit, evaluable, valid)
+        walk = walk_counts(hit, evaluable, valid, b["loss_mask"][0], b["document_ids"][0])
+        counts.update({f"walk_{key}": torch.tensor(walk[key], dtype=torch.long, device=device)
+                       for key in ("drafts", "cut", "tail")},
+                      walk_accepted=torch.tensor(walk["accepted_per_pos"], dtype=torch.long, device=device))
         if strata is not None:
             labels = stratum_labels(strata, b["input_ids"][0], b["loss_mask"][0], b["document_ids"][0],
                                     b["position_ids"][0], batch["categories"])

@@ -1,7 +1,8 @@
 """Stages evaluate_offline, evaluate_parity: offline evaluation of an exported draft, acceptance
 length by greedy chain replay on held-out hidden-state shards (acceptance.py), written to
 ``offline.json``: overall and by stratum (context length, assistant turn, inside/outside
-thinking, the data's category; ``strata``).
+thinking, the data's category; ``strata``), and ``as_served``: the same text counted at the
+positions vLLM drafts at (tokens per draft), the figure to hold against vLLM's AL.
 
 With ``--parity serving.json`` (``rule evaluate_parity``) the shards hold the sequences vLLM produced
 in the serving benchmark's parity window instead; the replay follows vLLM's drafting positions on them
@@ -91,6 +92,8 @@ def main(argv=None) -> None:
     write_json(args.out, result)
     log.info("acceptance length %s (k=%d) over %d anchors; per-position acceptance %s",
              result["acceptance_length"], args.k, result["anchors"], result["per_position_acceptance"])
+    log.info("as vLLM would count it on this text: acceptance length %s over %d drafts",
+             result["as_served"]["acceptance_length"], result["as_served"]["drafts"])
     for name, by_label in result["strata"].items():
         shown = (f"{label} {s['acceptance_length']} ({s['anchors']} anchors)" for label, s in by_label.items())
         log.info("acceptance length by %s: %s", name, ", ".join(shown))

@@ -106,6 +106,10 @@ def card(config: dict, summary: dict, which: str, data_stats: dict, offline: dic
         f"(k={offline.get('k')}, {offline.get('tokens_evaluated', 'n/a')} tokens)",
         f"- per-position acceptance: {offline.get('per_position_acceptance', 'n/a')}",
     ]
+    as_served = offline.get("as_served")
+    if as_served:
+        lines.append(f"- as vLLM would count it on the same text (tokens per draft, {as_served['drafts']} drafts): "
+                     f"{as_served['acceptance_length']}")
     if serving is not None:
         by_concurrency = serving["recommended"].get("by_concurrency") or {}
         lines.append("- vLLM serving benchmark, best K by concurrency: "
