@@ -20,7 +20,8 @@ W=results/regen-table
 mkdir -p "$W"
 # vLLM's environment defaults: set by the stages themselves (scripts/eaglepipe/vllm_env.py)
 export HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 PYTHONUNBUFFERED=1
-RUNS="regen17-data regen17-greedy-first regen17-t06-first regen17-t06-all"
+# RUNS="..." picks some of them (e.g. RUNS="regen17-t06-all regen17-t06-all-loops" for the loop question)
+RUNS=${RUNS:-"regen17-data regen17-greedy-first regen17-t06-first regen17-t06-all"}
 COMMON=(
   'data={"max_samples": 4000}'
   'evaluate={"prompts": "package:mtbench"}'
@@ -34,6 +35,9 @@ regenerate_of() {
     regen17-greedy-first) echo '{"enabled": true, "backend": "vllm", "temperature": 0, "turns": "first"}' ;;
     regen17-t06-first) echo '{"enabled": true, "backend": "vllm", "temperature": 0.6, "top_p": 0.95, "turns": "first"}' ;;
     regen17-t06-all) echo '{"enabled": true, "backend": "vllm", "temperature": 0.6, "top_p": 0.95, "turns": "all"}' ;;
+    # the target's loops kept: greedy serving loops too (18 of the 80 MT-Bench answers)
+    regen17-t06-all-loops) echo '{"enabled": true, "backend": "vllm", "temperature": 0.6, "top_p": 0.95, "turns": "all", "on_loop": "keep"}' ;;
+    *) echo "unknown run $1" >&2; return 1 ;;
   esac
 }
 
@@ -50,9 +54,11 @@ running() {
   for f in "$W"/*.pid; do [ -f "$f" ] && kill -0 "$(cat "$f")" 2>/dev/null && echo "$(basename "$f" .pid)"; done
 }
 
-chain() {  # the target once, then the four runs at once
+chain() {  # the target once, then the runs at once
+  local run
+  for run in $RUNS; do regenerate_of "$run" > /dev/null || return 1; done
   python3 -m snakemake --cores all --configfile "$PRESET" -- results/models/SmolLM2-135M-Instruct || return 1
-  local run pids=()
+  local pids=()
   for run in $RUNS; do
     python3 -m snakemake --cores 4 --nolock --configfile "$PRESET" --config "run_name=$run" "${COMMON[@]}" \
       "regenerate=$(regenerate_of "$run")" -- "results/$run/eval/offline.json" "results/$run/eval/serving.json" \

@@ -28,6 +28,8 @@ CONVENTION = ("acceptance_length = 1 + mean number of accepted draft tokens per 
               "(the target's bonus token counted, as vLLM and SGLang report it); greedy top-1 chain of k draft "
               "tokens; per_position_acceptance[k] = P(step k accepted | steps < k accepted); "
               "accuracy_per_position[k] = P(step k correct) with teacher-forced inputs")
+# the keys of summarize() that explain rather than measure (left out of per-step and per-stratum records)
+EXPLANATIONS = ("convention", "reference", "as_served_convention")
 # Every position is an anchor above: a mean over tokens. Serving drafts only where the previous draft
 # ended, so its AL is output tokens per draft: easy stretches (one draft per K+1 tokens) weigh less
 # than hard ones (one draft per token), and the mean over tokens is the higher of the two whenever
@@ -100,8 +102,8 @@ def summarize(counts: dict) -> dict:
             "accepted_per_position": [round(float(a) / drafts, 6) if drafts else None
                                       for a in counts["walk_accepted"]],
             "drafts": drafts, "cut": int(counts["walk_cut"]), "tail": int(counts["walk_tail"]),
-            "convention": AS_SERVED,
         }
+        out["as_served_convention"] = AS_SERVED
     return out
 
 
@@ -267,7 +269,7 @@ def summarize_strata(counts: dict, strata: Strata) -> dict:
         out[name] = {}
         for i, label in enumerate(names):
             s = summarize({key: counts[f"{name}/{key}"][i] for key in CHAIN_KEYS})
-            out[name][label] = {k: v for k, v in s.items() if k not in ("convention", "reference")}
+            out[name][label] = {k: v for k, v in s.items() if k not in EXPLANATIONS}
     return out
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from . import checkpoints
-from .acceptance import OVERALL, add_strata_arguments
+from .acceptance import EXPLANATIONS, OVERALL, add_strata_arguments
 from .atomic import atomic_path, sha256_file, write_json
 from .dir_lock import dir_lock
 from .draft_model import ARCHITECTURES, LOSS_IMPLEMENTATION
@@ -206,7 +206,7 @@ def train(args, stop_after: int | None = None) -> dict | None:
         counts = all_reduce(evaluate_rows(model, rows, head, args.ttt_steps, loss_config,
                                           args.ttt_step_loss_decay, device, strata), world)
         ev = eval_metrics(counts, strata)
-        row = {"step": at_step, "split": "eval", **{k: v for k, v in ev.items() if k not in ("convention", "reference")}}
+        row = {"step": at_step, "split": "eval", **{k: v for k, v in ev.items() if k not in EXPLANATIONS}}
         metrics.write(row)
         log.info("eval at step %d: acceptance length %s, per-position acceptance %s, loss %s", at_step,
                  ev["acceptance_length"], ev["per_position_acceptance"], ev["loss"])
