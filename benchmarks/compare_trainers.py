@@ -20,9 +20,9 @@ Prints a table and writes --json. What differs between the trainers, by design o
  - packing: both pack shuffled samples greedily into rows of <= B real tokens (the same mean fill:
    7,736 of 8,192 on the issue-5 data), each in its own order; speculators pads every row to B and
    computes on the padding, ours does not (tokens/step below are real tokens, each trainer's count);
- - precision: both run bf16 autocast over fp32 weights on the GPU; ours keeps the states it
-   reads in their stored dtype, speculators loads them in --spec-hidden-states-dtype (bf16 by
-   default, its recommended setting);
+ - precision: both run bf16 autocast over fp32 weights on the GPU, on bf16 states (ours:
+   draft_model.training_row_options, page-locked; speculators: --spec-hidden-states-dtype, bf16
+   by default, its recommended setting);
  - data loading: ours reads shards in the training process; speculators uses DataLoader workers
    (--spec-workers) with prefetch;
  - epochs: both cycle through the train split when S rows exceed it, each in its own order.

@@ -13,7 +13,7 @@ step's ms is reported), then the same --steps rows (data position (0, warmup)) t
 (one synchronisation at each end) and profiled (a synchronisation and a clock read at every
 phase boundary, which costs a little; both totals are reported). Phases of a step:
   next_row      waiting for the next packed row from the prefetch thread (host)
-  to_device     the row's tensors to the device (pageable memory, as train_draft copies them)
+  to_device     the row's tensors to the device (bf16 rows in page-locked memory on GPUs, as train_draft's)
   forward_loss  the draft's TTT forward with its loss (speculators computes the loss inside the
                 forward, compiled with it on GPUs; its share is estimated separately below)
   backward      zero_grad + backward
@@ -45,7 +45,8 @@ sys.path.insert(0, str(REPO / "scripts"))
 from eaglepipe import train_draft  # noqa: E402
 from eaglepipe.acceptance import ROW_KEYS, eval_metrics, evaluate_rows, load_strata  # noqa: E402
 from eaglepipe.atomic import write_json  # noqa: E402
-from eaglepipe.draft_model import LOSS_IMPLEMENTATION, build_draft, load_target_head, row_length  # noqa: E402
+from eaglepipe.draft_model import (LOSS_IMPLEMENTATION, build_draft, load_target_head,  # noqa: E402
+                                   training_row_options)
 from eaglepipe.layers import aux_layer_ids, validate_layer_ids  # noqa: E402
 from eaglepipe.packed_data import PackedRows  # noqa: E402
 from eaglepipe.prefetch import prefetch  # noqa: E402
@@ -124,13 +125,14 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.params, lr=targs.lr, weight_decay=targs.weight_decay)
         self.scheduler = get_cosine_schedule_with_warmup(self.optimizer, targs.warmup_steps, targs.max_steps)
         self.loss_config = resolve_loss_config(targs.loss, LOSS_IMPLEMENTATION)
-        self.pad_to = row_length(device, targs.batch_tokens)
+        self.row_options = training_row_options(device, targs.batch_tokens)  # as train_draft's rows
+        self.pad_to = self.row_options["pad_to"]
         self.model.train()
 
     def rows(self, split: str = "train", **kw) -> PackedRows:
         shuffle = split == "train"
         return PackedRows(self.manifest, split, self.targs.batch_tokens, seed=self.targs.seed, shuffle=shuffle,
-                          pad_to=self.pad_to, **kw)
+                          **{**self.row_options, **kw})
 
     def autocast(self):
         # as train_draft: bf16 autocast over fp32 weights on GPUs, fp32 on CPU
@@ -143,7 +145,7 @@ class Trainer:
         clock.start()
         _, batch = next(stream)
         clock.mark("next_row")
-        b = {k: batch[k].to(self.device) for k in ROW_KEYS}
+        b = {k: batch[k].to(self.device, non_blocking=True) for k in ROW_KEYS}
         clock.mark("to_device")
         with self.autocast():
             _, loss, m = self.model(**b, ttt_steps=a.ttt_steps, ttt_step_loss_decay=a.ttt_step_loss_decay,
@@ -230,7 +232,7 @@ def eval_pass_ms(trainer: Trainer, strata) -> dict:
     a = trainer.targs
     head = load_target_head(a.model).to(trainer.device)
     t = trainer.sync()
-    rows = trainer.rows("eval").once()
+    rows = trainer.rows("eval", dtype=torch.float32, pin_memory=False).once()  # train_draft's eval rows
     ev = eval_metrics(evaluate_rows(trainer.model, rows, head, a.ttt_steps, trainer.loss_config,
                                     a.ttt_step_loss_decay, trainer.device, strata), strata)
     return {"ms": round((trainer.sync() - t) * 1000, 1), "acceptance_length": ev["acceptance_length"]}

@@ -243,3 +243,36 @@ def test_a_shard_of_other_settings_is_refused(tmp_path):
     m["settings"] = {"digest": "of-the-manifest"}  # the shards record none: made with other settings
     with pytest.raises(SystemExit, match="was made with other settings"):
         list(PackedRows(m, "train", 8).once())
+
+
+def test_gpu_training_rows_are_bf16_and_train_as_the_fp32_rows_do(tmp_path, tiny_llama):
+    """GPU training rows are bf16 (half the packing and the copy) in page-locked memory; under the
+    step's bf16 autocast they give the loss the fp32 rows give (autocast casts the states to bf16
+    at their first matmul anyway). CPU rows stay fp32."""
+    from speculators.losses import resolve_loss_config
+
+    from eaglepipe.draft_model import LOSS_IMPLEMENTATION, build_draft, training_row_options
+
+    assert training_row_options(torch.device("cpu"), 1000) == {"dtype": torch.float32, "pin_memory": False,
+                                                               "pad_to": None}
+    assert training_row_options(torch.device("cuda"), 1000) == {"dtype": torch.bfloat16, "pin_memory": True,
+                                                                "pad_to": 1024}
+    run = make_run(tmp_path, tiny_llama)
+    manifest = load_manifest(run["manifest"])
+    fp32 = list(PackedRows(manifest, "train", 64, shuffle=False).once())
+    bf16 = list(PackedRows(manifest, "train", 64, shuffle=False, dtype=torch.bfloat16).once())
+    assert bf16[0]["hidden_states"].dtype == bf16[0]["verifier_last_hidden_states"].dtype == torch.bfloat16
+    for r, p in zip(bf16, fp32, strict=True):
+        assert torch.equal(r["hidden_states"], p["hidden_states"].bfloat16())
+        assert all(torch.equal(r[k], p[k]) for k in ("input_ids", "loss_mask", "document_ids", "position_ids"))
+    torch.manual_seed(0)
+    model = build_draft(tiny_llama, [1, 3, 5], run["vocab"], ttt_steps=3)
+    loss_config = resolve_loss_config("kl_div", LOSS_IMPLEMENTATION)
+    keys = ("hidden_states", "input_ids", "document_ids", "loss_mask", "position_ids", "verifier_last_hidden_states")
+
+    def loss(row):
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            return float(model(**{k: row[k] for k in keys}, ttt_steps=3, loss_config=loss_config)[1])
+
+    for r, p in zip(bf16, fp32):
+        assert loss(r) == pytest.approx(loss(p), rel=1e-3)  # measured: within 3e-4

@@ -32,7 +32,8 @@ Row = list[tuple[int, int, int]]  # (shard index, sample index in the shard, tok
 
 class PackedRows:
     def __init__(self, manifest: dict, split: str, batch_tokens: int, seed: int = 0, shuffle: bool = True,
-                 rank: int = 0, world_size: int = 1, dtype: torch.dtype = torch.float32, pad_to: int | None = None):
+                 rank: int = 0, world_size: int = 1, dtype: torch.dtype = torch.float32, pad_to: int | None = None,
+                 pin_memory: bool = False):
         if batch_tokens < 2:
             raise ValueError(f"batch_tokens {batch_tokens}: need at least 2 (one shifted token)")
         self.shards = shard_paths(manifest, split)
@@ -55,6 +56,7 @@ class PackedRows:
         if pad_to is not None and pad_to < batch_tokens:
             raise ValueError(f"pad_to {pad_to}: rows hold up to batch_tokens={batch_tokens} tokens")
         self.pad_to = pad_to
+        self.pin_memory = pin_memory
         self._offsets: dict[int, torch.Tensor] = {}
         self._cached: tuple[int, Shard] | None = None
         self.truncated: set[tuple[int, int]] = set()
@@ -180,8 +182,11 @@ class PackedRows:
         batch["document_ids"] = torch.repeat_interleave(torch.arange(len(parts)), lengths).unsqueeze(0)
         if self.pad_to is not None:
             batch = pad_row(batch, self.pad_to)
+        if self.pin_memory:  # page-locked: the copy to the GPU runs at full speed and asynchronously
+            batch = {k: v.pin_memory() for k, v in batch.items()}
         batch["categories"] = [row_categories(self.shards[si][1])[b] for si, b, _ in row]
         return batch
+
 
 
 def pad_row(batch: dict, length: int) -> dict:

@@ -128,7 +128,7 @@ def train(args, stop_after: int | None = None) -> dict | None:
     from speculators.losses import resolve_loss_config
 
     from .acceptance import check_select_by, eval_metrics, evaluate_rows, load_strata, select_value, split_categories
-    from .draft_model import build_draft, load_target_head, row_length
+    from .draft_model import build_draft, load_target_head, row_length, training_row_options
 
     threads = set_threads()
     rank, world, device = setup_distributed()
@@ -218,7 +218,7 @@ def train(args, stop_after: int | None = None) -> dict | None:
 
     # the next rows are packed by a thread while this step runs (on a GPU that was idle time)
     stream = prefetch(PackedRows(manifest, "train", args.batch_tokens, seed=args.seed, shuffle=True, rank=rank,
-                                 world_size=world, pad_to=row_length(device, args.batch_tokens)).stream(*position))
+                                 world_size=world, **training_row_options(device, args.batch_tokens)).stream(*position))
     log_every = max(1, args.max_steps // 200)
     keys = ("hidden_states", "input_ids", "document_ids", "loss_mask", "position_ids", "verifier_last_hidden_states")
     window_tokens, window_start = 0, time.perf_counter()
@@ -226,7 +226,7 @@ def train(args, stop_after: int | None = None) -> dict | None:
     with TokenProgress(args.max_steps - step, "train", unit="step") as bar, closing(stream):
         while step < args.max_steps:
             position, batch = next(stream)
-            b = {k: batch[k].to(device) for k in keys}
+            b = {k: batch[k].to(device, non_blocking=True) for k in keys}  # from page-locked rows on GPUs
             # GPUs: bf16 autocast over fp32 master weights, as speculators' Trainer does; CPU stays
             # fp32 (bf16 matmuls are slower there, and resume is tested bit for bit)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
