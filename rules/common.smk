@@ -273,6 +273,7 @@ EVAL_PROMPTS_SAMPLING = {
     "max_new_tokens": config["benchmark_serving"]["max_tokens"],
     "on_truncated": "keep",
     "on_loop": "keep",
+    "answers_per_conversation": 1,
 }
 REGENERATE_SAMPLING = tuple(
     EVAL_PROMPTS_SAMPLING
@@ -352,5 +353,5 @@ REGENERATE_SHELL = (
     "--top-p {params.top_p} --max-new-tokens {params.max_new_tokens} --seed {params.seed} "
     "--modes {params.modes:q} {params.template} --on-truncated {params.on_truncated} --on-loop {params.on_loop} "
     "--loop-ngram {params.loop_ngram} --loop-min-distinct-share {params.loop_share} "
-    "--batch-size {params.batch_size} > {log} 2>&1"
+    "--answers-per-conversation {params.answers_per_conversation} --batch-size {params.batch_size} > {log} 2>&1"
 )

@@ -51,11 +51,12 @@ class Scripted:
 
     def __init__(self, tokenizer, answer):
         self.tok, self.answer = tokenizer, answer
-        self.queue, self.prompts = [], {}
+        self.queue, self.prompts, self.seeds = [], {}, {}
 
     def submit(self, request_id, prompt_ids, seed):
         self.queue.append((request_id, prompt_ids))
         self.prompts[request_id] = prompt_ids
+        self.seeds[request_id] = seed
 
     def step(self):
         out = []
@@ -173,6 +174,49 @@ def test_samples_of_a_conversation_share_its_split(tmp_path, tiny_llama):
     assert {s for v in split_of.values() for s in v} == {"train", "eval"}
     stats = json.loads((tmp_path / "data" / "stats.json").read_text())
     assert stats["read"] == stats["kept"] == 60
+
+
+def test_answer_sets_per_conversation(tmp_path, tok):
+    """Each set is a sample of its own (``id@k``) with its own seeds and the conversation's id; a
+    conversation is kept when any set is, skipped (with the first set's reason) when none is."""
+    items = [chat("c0", ("user", "what is it?"), ("assistant", "x"), ("user", "and then?")),
+             chat("c1", ("user", "what is it?"))]
+
+    loop = "the the the the the the the the the the"
+
+    def answer(pos, turn, prompt):  # slots: c0 sets 0-2, then c1 sets 0-2
+        if pos >= 3 or (pos == 1 and turn == 1):  # every set of c1 loops, and c0's set 1 at turn 1
+            return loop, "stop"
+        return f"{ANSWERS[turn]} {pos}", "stop"
+
+    records, stats, gen = run_scripted(tmp_path, tok, items, answer, answers_per_conversation=3, temperature=0.6)
+    assert [(r["id"], r["conversation"]) for r in records] == [("c0", "c0"), ("c0@1", "c0"), ("c0@2", "c0")]
+    assert [r["answers"] for r in records] == [[f"{ANSWERS[0]} 0", f"{ANSWERS[1]} 0"], [f"{ANSWERS[0]} 1"],
+                                               [f"{ANSWERS[0]} 2", f"{ANSWERS[1]} 2"]]
+    # the first set's seeds are a single set's; the others differ
+    assert gen.seeds["0-0-0"] == request_seed(0, "c0", 0) and gen.seeds["0-0-1"] == request_seed(0, "c0", 1)
+    assert len({gen.seeds[f"0-{pos}-0"] for pos in range(6)}) == 6
+    assert stats["read"] == 2 and stats["kept"] == 1 and stats["skipped_by_reason"] == {"loop": 1}
+    assert stats["samples"] == 3 and stats["ended_early_by_reason"] == {"loop": 1}
+    mode = stats["by_mode"]["default"]
+    assert mode["conversations"] == 6 and mode["kept"] == 3 and mode["answers"] == 9 and mode["loops"] == 4
+    assert "answers_per_conversation" not in settings().key()  # one set: parts written before stay valid
+    assert '"answers_per_conversation": 3' in settings(answers_per_conversation=3).key()
+
+
+def test_answer_sets_share_their_conversations_split(tmp_path, tiny_llama):
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    items = [chat(f"c{i}", ("user", "what is it?")) for i in range(30)]
+    run_scripted(tmp_path, tok, items, lambda pos, turn, prompt: (f"{ANSWERS[0]} {pos}", "stop"),
+                 answers_per_conversation=2, temperature=0.6)
+    prepare_data.main(["--data", str(tmp_path / "out.jsonl"), "--pretokenized", "--model", str(tiny_llama),
+                       "--out-dir", str(tmp_path / "data"), "--eval-fraction", "0.5"])
+    split_of = {}
+    for split in ("train", "eval"):
+        for line in (tmp_path / "data" / f"{split}.jsonl").read_text().splitlines():
+            split_of.setdefault(json.loads(line)["id"].split("@")[0], []).append(split)
+    assert len(split_of) == 30 and all(len(s) == 2 and len(set(s)) == 1 for s in split_of.values())
+    assert {s for v in split_of.values() for s in v} == {"train", "eval"}
 
 
 def test_the_thinking_switch_reaches_the_template(tmp_path):
@@ -437,6 +481,23 @@ def test_sampling_follows_the_seed(tmp_path, tiny_llama):
         run_cli(cli(tmp_path, tiny_llama, data, name, [*sampled, "--seed", seed, "--batch-size", "3" if name == "b" else "2"]))
     a, b, c = ((tmp_path / n / "chats.jsonl").read_text() for n in "abc")
     assert a == b and a != c
+
+
+def test_the_first_answer_set_is_a_single_sets_answers(tmp_path, tiny_llama):
+    data = tiny.make_chats(tmp_path / "chats.jsonl", n=4)
+    sampled = ["--temperature", "1.0", "--top-p", "0.9"]
+    run_cli(cli(tmp_path, tiny_llama, data, "one", sampled))
+    run_cli(cli(tmp_path, tiny_llama, data, "two", [*sampled, "--answers-per-conversation", "2"]))
+    one = [json.loads(line) for line in (tmp_path / "one" / "chats.jsonl").read_text().splitlines()]
+    two = [json.loads(line) for line in (tmp_path / "two" / "chats.jsonl").read_text().splitlines()]
+    assert [r for r in two if "@" not in r["id"]] == one
+    second = {r["conversation"]: r for r in two if r["id"].endswith("@1")}
+    assert len(second) == 4 and all(second[r["conversation"]]["input_ids"] != r["input_ids"] for r in one)
+    stats = json.loads((tmp_path / "two" / "stats.json").read_text())
+    assert stats["read"] == 4 and stats["by_mode"]["default"]["conversations"] == 8
+    p = subprocess.run(cli(tmp_path, tiny_llama, data, "greedy", ["--answers-per-conversation", "2", "--temperature", "0"]),
+                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO / "scripts")})
+    assert p.returncode == 2 and "greedy answer sets are all the same" in p.stderr
 
 
 def test_resume_after_kill_equals_an_uninterrupted_run(tmp_path, tiny_llama):

@@ -20,6 +20,12 @@ their ``--loop-ngram``-grams distinct, eaglepipe.degenerate) are counted and kep
 ``--on-truncated`` / ``--on-loop``; empty answers are dropped. A dropped answer ends its
 conversation (later turns would continue a history the data does not keep).
 
+``--answers-per-conversation N`` answers each conversation N times with independent seeds (sampling
+only): more of the target's text from the same prompts. Answer set k > 0 of conversation ``x`` is
+the sample ``x@k``; every set keeps the conversation ``x``, so prepare_data puts them in one split.
+``read``, ``kept`` and ``skipped`` count conversations (kept: at least one set kept); answers and
+``conversations`` per mode count every set.
+
 Resumable: the input is cut into parts of ``--batch-size`` records, each written atomically as
 ``<parts-dir>/<index>-<hash>.json`` where the hash covers the part's records and every
 setting that changes an answer; a rerun reuses the parts whose hash matches. Seeds are per
@@ -88,9 +94,19 @@ class Settings:
     on_loop: str
     loop_ngram: int
     loop_min_distinct_share: float
+    answers_per_conversation: int = 1
 
     def key(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
+        d = asdict(self)
+        if d["answers_per_conversation"] == 1:  # one set is what parts written before the setting hold
+            del d["answers_per_conversation"]
+        return json.dumps(d, sort_keys=True)
+
+
+def set_key(conversation: str, answer_set: int) -> str:
+    """The id of one answer set: the conversation's own for the first, ``id@k`` for the others (their
+    seeds and modes are drawn from it, so the first set is what a single set was)."""
+    return conversation if answer_set == 0 else f"{conversation}@{answer_set}"
 
 
 def _unit(*parts) -> float:
@@ -152,8 +168,9 @@ class Answer(NamedTuple):
 
 @dataclass
 class Conversation:
-    """One conversation being regenerated: the running prefix and the answers so far."""
+    """One answer set of a conversation being regenerated: the running prefix and the answers so far."""
     chat: Chat
+    key: str  # set_key: the sample id, and what its seeds and mode are drawn from
     mode: Mode
     answer_after: list[int]  # indices into chat.messages after which the target answers (answer_points)
     history: list[dict] = field(default_factory=list)
@@ -165,9 +182,11 @@ class Conversation:
 class Part:
     """The records of one batch and their accounting, written atomically once all are done."""
 
-    def __init__(self, index: int, key: str, items: list[Chat | Skip]):
+    def __init__(self, index: int, key: str, items: list[Chat | Skip], answer_sets: int = 1):
         self.index, self.key, self.items = index, key, items
-        self.conversations: list[Conversation | None] = [None] * len(items)
+        self.answer_sets = answer_sets
+        # slot item * answer_sets + k: answer set k of item
+        self.conversations: list[Conversation | None] = [None] * (len(items) * answer_sets)
         self.open = 0
 
     def file(self, parts_dir: Path) -> Path:
@@ -199,7 +218,7 @@ def batched_parts(items: Iterator[Chat | Skip], settings: Settings, batch_size: 
 
     stream, index = checked(), 0
     while batch := list(islice(stream, batch_size)):
-        yield Part(index, part_key(settings, batch), batch)
+        yield Part(index, part_key(settings, batch), batch, settings.answers_per_conversation)
         index += 1
 
 
@@ -274,7 +293,7 @@ class Regenerator:
             conv.end = "prompt_too_long"
             return False
         rid = f"{part.index}-{pos}-{turn}"
-        self.gen.submit(rid, prompt, request_seed(self.settings.seed, conv.chat.id, turn))
+        self.gen.submit(rid, prompt, request_seed(self.settings.seed, conv.key, turn))
         self.requests[rid] = (part, pos)
         conv.answers.append(Answer(prompt, [], "pending"))
         return True
@@ -304,11 +323,13 @@ class Regenerator:
 
     # -- parts ------------------------------------------------------------------------------
     def _start_part(self, part: Part) -> None:
-        for pos, item in enumerate(part.items):
+        for pos in range(len(part.conversations)):
+            item = part.items[pos // part.answer_sets]
             if isinstance(item, Skip):
                 continue
             turns = answer_points(item.messages, self.settings.turns)
-            conv = Conversation(item, pick_mode(self.settings.modes, self.settings.seed, item.id), turns)
+            key = set_key(item.id, pos % part.answer_sets)
+            conv = Conversation(item, key, pick_mode(self.settings.modes, self.settings.seed, key), turns)
             part.conversations[pos] = conv
             if any(m["role"] not in REGENERATED_ROLES for m in item.messages):
                 conv.end = "unsupported_role"
@@ -320,39 +341,49 @@ class Regenerator:
 
     def _finish_part(self, part: Part) -> None:
         records, stats = [], new_stats()
-        for item, conv in zip(part.items, part.conversations):
+        n = part.answer_sets
+        for i, item in enumerate(part.items):
             stats["read"] += 1
-            if conv is None:
+            if isinstance(item, Skip):
                 skip(stats, item.reason, item.detail)
                 continue
-            mode = stats["by_mode"].setdefault(conv.mode.name, new_mode_stats())
-            mode["conversations"] += 1
-            for a in conv.answers:
-                count_answer(mode, a, classify(a, self.settings))
-            reason = conv.end and conv.end.split(":")[0]
-            if conv.dropped is not None:
-                count_answer(mode, conv.dropped, classify(conv.dropped, self.settings), dropped=reason)
-            if reason == "failed":
-                stats["failed"].append({"conversation": conv.chat.id, "source": conv.chat.source,
-                                        "error": conv.end.removeprefix("failed: ")})
-            if not conv.answers:
-                skip(stats, reason, f"{conv.chat.source}: {conv.end}")
-                continue
-            if reason is not None:
-                stats["ended_early_by_reason"][reason] += 1
-            stats["kept"] += 1
-            mode["kept"] += 1
-            for j, (ids, mask, answers) in enumerate(build_samples(conv)):
-                records.append(tokenized_samples.dumps(
-                    conv.chat.id if j == 0 else f"{conv.chat.id}#{j}", conv.chat.id, ids, mask, conv.chat.category,
-                    mode=conv.mode.name,
-                    answers=[self.tok.decode(a.token_ids, skip_special_tokens=True) for a in answers]))
-                stats["samples"] += 1
+            sets = part.conversations[i * n:(i + 1) * n]
+            for conv in sets:
+                records += self._count_and_render(conv, stats)
+            if any(conv.answers for conv in sets):
+                stats["kept"] += 1
+            else:  # no set kept: the conversation is skipped for the first set's reason
+                skip(stats, sets[0].end.split(":")[0], f"{item.source}: {sets[0].end}")
         stats["skipped"] = sum(stats["skipped_by_reason"].values())
         write_json(part.file(self.parts_dir), {"format": PART_FORMAT, "key": part.key,
                                                "records": records, "stats": stats})
         part.release()
         self.written += 1
+
+    def _count_and_render(self, conv: Conversation, stats: dict) -> list[str]:
+        """Count one answer set's answers in ``stats`` and return its records."""
+        mode = stats["by_mode"].setdefault(conv.mode.name, new_mode_stats())
+        mode["conversations"] += 1
+        for a in conv.answers:
+            count_answer(mode, a, classify(a, self.settings))
+        reason = conv.end and conv.end.split(":")[0]
+        if conv.dropped is not None:
+            count_answer(mode, conv.dropped, classify(conv.dropped, self.settings), dropped=reason)
+        if reason == "failed":
+            stats["failed"].append({"conversation": conv.key, "source": conv.chat.source,
+                                    "error": conv.end.removeprefix("failed: ")})
+        if not conv.answers:
+            return []
+        if reason is not None:
+            stats["ended_early_by_reason"][reason] += 1
+        mode["kept"] += 1
+        records = []
+        for j, (ids, mask, answers) in enumerate(build_samples(conv)):
+            records.append(tokenized_samples.dumps(
+                conv.key if j == 0 else f"{conv.key}#{j}", conv.chat.id, ids, mask, conv.chat.category,
+                mode=conv.mode.name, answers=[self.tok.decode(a.token_ids, skip_special_tokens=True) for a in answers]))
+            stats["samples"] += 1
+        return records
 
     def _reusable(self, part: Part) -> bool:
         path = part.file(self.parts_dir)
@@ -501,7 +532,7 @@ def regenerate(args) -> dict:
         turns=args.turns, temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
         max_model_len=args.max_model_len, seed=args.seed, modes=modes, stop_token_ids=stops,
         on_truncated=args.on_truncated, on_loop=args.on_loop, loop_ngram=args.loop_ngram,
-        loop_min_distinct_share=args.loop_min_distinct_share)
+        loop_min_distinct_share=args.loop_min_distinct_share, answers_per_conversation=args.answers_per_conversation)
     remove_stale_temporaries(args.parts_dir)
     generator = make_generator(args, Sampling(args.temperature, args.top_p, args.max_new_tokens, stops))
     regen = Regenerator(generator, templates, settings, args.parts_dir)
@@ -559,13 +590,19 @@ def main(argv=None):
     p.add_argument("--on-loop", choices=["keep", "drop"], default="drop")
     p.add_argument("--loop-ngram", type=int, default=8)
     p.add_argument("--loop-min-distinct-share", type=float, default=0.5)
+    p.add_argument("--answers-per-conversation", type=int, default=1,
+                   help="answer sets per conversation, each with its own seeds (sampling only)")
     p.add_argument("--batch-size", type=int, default=256, help="conversations per resumable part")
     args = p.parse_args(argv)
-    for name in ("max_new_tokens", "max_model_len", "loop_ngram", "batch_size", "tensor_parallel_size"):
+    for name in ("max_new_tokens", "max_model_len", "loop_ngram", "batch_size", "tensor_parallel_size",
+                 "answers_per_conversation"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         p.error(f"--temperature must be >= 0 and --top-p in (0, 1], got {args.temperature}, {args.top_p}")
+    if args.answers_per_conversation > 1 and args.temperature == 0:
+        p.error(f"--answers-per-conversation {args.answers_per_conversation} with --temperature 0: greedy answer "
+                "sets are all the same; sample (--temperature > 0) or use 1")
     regenerate(args)
 
 
