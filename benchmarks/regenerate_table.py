@@ -42,7 +42,8 @@ def row(run: Path, isolated: dict[str, dict]) -> dict:
         st = regen["settings"]
         modes = regen["by_mode"].values()
         generated = sum(m["answers"] for m in modes)
-        r.update(temperature=st["temperature"], top_p=st["top_p"], turns=st["turns"],
+        r.update(temperature=st["temperature"], top_p=st["top_p"], turns=st["turns"], on_loop=st["on_loop"],
+                 answer_sets=st.get("answers_per_conversation", 1),
                  max_new_tokens=st["max_new_tokens"], conversations_kept=regen["kept"], read=regen["read"],
                  loops=sum(m["loops"] for m in modes) / max(generated, 1),
                  at_max_new_tokens=sum(m["truncated"] for m in modes) / max(generated, 1),
@@ -88,7 +89,10 @@ def main() -> None:
     print("|" + " --- |" * 11)
     for r in rows:
         temperature = "greedy" if r.get("temperature") == 0 else f"{r.get('temperature')} / {r.get('top_p')}"
-        sampling = f"{temperature} / {r['turns']}" if "turns" in r else "-"
+        sampling = "-"
+        if "turns" in r:
+            sampling = (f"{temperature} / {r['turns']}" + (", loops kept" if r["on_loop"] == "keep" else "")
+                        + (f", {r['answer_sets']} answer sets" if r["answer_sets"] > 1 else ""))
         kept = f"{r['conversations_kept']} / {r['read']}" if "read" in r else "-"
         degenerate = f"{r['loops']:.0%}, {r['at_max_new_tokens']:.0%}" if "loops" in r else "-"
         print(f"| {r['run']} | {r['answers']} | {sampling} | {kept} | {degenerate} | {fmt(r.get('generated_tok_per_s'), ',.0f')} "
