@@ -8,7 +8,10 @@
 #
 #   bash benchmarks/gpu_regenerate_table.sh start [--no-setup]   after gpu_pipeline.sh's wheel parts
 #       are in /tmp/stage: setup, the target, then the four runs detached (results/regen-table/*.log);
-#       with MLA=1 also benchmarks/gpu_check_mla_draft.sh (issue 21) beside them.
+#       with MLA=1 also benchmarks/gpu_check_mla_draft.sh (issue 21) beside them; THEN="cmd" runs
+#       after the runs, in the same detached chain, logging to results/regen-table/then.log (e.g.
+#       THEN="bash benchmarks/gpu_compare_trainers.sh run-of regen17-t06-all": no idle gap between
+#       device calls can lose it).
 #   bash benchmarks/gpu_regenerate_table.sh serve RUN...   detached: benchmark_serving alone on the GPU
 #       for each run's draft (K 2-4, concurrency 1 and 4), one after the other.
 #   bash benchmarks/gpu_regenerate_table.sh status [WAIT_S]   waits up to WAIT_S s while anything runs,
@@ -97,7 +100,11 @@ case "${1:-}" in
       detach mla env WORK=/tmp/mla OUT="$PWD/$W/mla" GPU_UTIL=0.1 bash benchmarks/gpu_check_mla_draft.sh
     fi
     ;;
-  _chain) chain ;;
+  _chain)
+    chain; rc=$?
+    if [ -n "${THEN:-}" ]; then bash -c "$THEN" > "$W/then.log" 2>&1 || rc=1; fi
+    exit $rc
+    ;;
   _serve) shift; serve "$@" ;;
   serve)
     shift
@@ -118,6 +125,7 @@ case "${1:-}" in
     done
     [ -f "$W/mla/summary.txt" ] && { echo "--- mla"; tail -n 12 "$W/mla/summary.txt"; }
     [ -f "$W/serve.log" ] && { echo "--- serve"; grep -E "^benchmark_serving:|speedup|Error" "$W/serve.log" | tail -n 8; }
+    [ -f "$W/then.log" ] && { echo "--- then"; tail -n 12 "$W/then.log"; }
     python3 benchmarks/regenerate_table.py $(for r in $RUNS; do echo "results/$r"; done) --shared-gpu \
       --serving "$W"/serving_*.json --json "$W/table.json" 2>&1 | tee "$W/table.md"
     if [ -n "${OUT:-}" ]; then
