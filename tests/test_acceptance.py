@@ -178,9 +178,11 @@ def test_select_by():
     ev = {"acceptance_length": 2.0, "strata": {"context": {"<=512": {"acceptance_length": 2.5},
                                                            ">2048": {"acceptance_length": None}}}}
     assert select_value(ev, "overall") == 2.0
+    assert select_value({**ev, "as_served": {"acceptance_length": 1.8}}, "as_served") == 1.8
+    check_select_by("as_served", strata)
     assert select_value(ev, "context:<=512") == 2.5 and select_value(ev, "context:>2048") == 0.0
     check_select_by("context:>2048", strata)
-    with pytest.raises(SystemExit, match=r"'thinking:inside'.*one of overall, context:<=512"):
+    with pytest.raises(SystemExit, match=r"'thinking:inside'.*one of overall, as_served, context:<=512"):
         check_select_by("thinking:inside", strata)  # no thinking tags in this target
     with pytest.raises(SystemExit, match="'context:<=1024'"):
         check_select_by("context:<=1024", strata)

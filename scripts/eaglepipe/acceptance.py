@@ -28,6 +28,7 @@ CONVENTION = ("acceptance_length = 1 + mean number of accepted draft tokens per 
               "(the target's bonus token counted, as vLLM and SGLang report it); greedy top-1 chain of k draft "
               "tokens; per_position_acceptance[k] = P(step k accepted | steps < k accepted); "
               "accuracy_per_position[k] = P(step k correct) with teacher-forced inputs")
+AS_SERVED_KEY = "as_served"
 # the keys of summarize() that explain rather than measure (left out of per-step and per-stratum records)
 EXPLANATIONS = ("convention", "reference", "as_served_convention")
 # Every position is an anchor above: a mean over tokens. Serving drafts only where the previous draft
@@ -97,7 +98,7 @@ def summarize(counts: dict) -> dict:
     }
     if "walk_drafts" in counts:
         drafts = int(counts["walk_drafts"])
-        out["as_served"] = {
+        out[AS_SERVED_KEY] = {
             "acceptance_length": round(1.0 + float(counts["walk_accepted"].sum()) / drafts, 6) if drafts else None,
             "accepted_per_position": [round(float(a) / drafts, 6) if drafts else None
                                       for a in counts["walk_accepted"]],
@@ -277,12 +278,12 @@ OVERALL = "overall"
 
 
 def check_select_by(select_by: str, strata: Strata) -> None:
-    """``overall`` or ``<stratum>:<label>`` naming one of ``strata``'s labels."""
-    if select_by == OVERALL:
+    """``overall``, ``as_served`` or ``<stratum>:<label>`` naming one of ``strata``'s labels."""
+    if select_by in (OVERALL, AS_SERVED_KEY):
         return
     name, _, label = select_by.partition(":")
     if label not in strata.labels().get(name, ()):
-        choices = [OVERALL] + [f"{n}:{lab}" for n, labs in strata.labels().items() for lab in labs]
+        choices = [OVERALL, AS_SERVED_KEY] + [f"{n}:{lab}" for n, labs in strata.labels().items() for lab in labs]
         raise SystemExit(f"--select-by {select_by!r}: not a stratum of this run; one of {', '.join(choices)}")
 
 
@@ -290,6 +291,8 @@ def select_value(ev: dict, select_by: str) -> float:
     """The eval AL the best checkpoint is chosen by (``check_select_by``); no anchors there counts as 0."""
     if select_by == OVERALL:
         return ev["acceptance_length"] or 0.0
+    if select_by == AS_SERVED_KEY:
+        return ev[AS_SERVED_KEY]["acceptance_length"] or 0.0
     name, _, label = select_by.partition(":")
     return ev["strata"][name][label]["acceptance_length"] or 0.0
 

@@ -63,8 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     add_strata_arguments(p)
     p.add_argument("--select-by", default=OVERALL,
-                   help="eval AL the best checkpoint is chosen by: overall or <stratum>:<label> (e.g. context:<=2048, "
-                        "category:coding)")
+                   help="eval AL the best checkpoint is chosen by: overall (per token), as_served (per draft, as "
+                        "vLLM counts) or <stratum>:<label> (e.g. context:<=2048, category:coding)")
     return p
 
 
