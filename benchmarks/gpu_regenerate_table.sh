@@ -9,7 +9,8 @@
 #   bash benchmarks/gpu_regenerate_table.sh start [--no-setup]   after gpu_pipeline.sh's wheel parts
 #       are in /tmp/stage: setup, the target, then the four runs detached (results/regen-table/*.log);
 #       with MLA=1 also benchmarks/gpu_check_mla_draft.sh (issue 21) beside them; THEN="cmd" runs
-#       after the runs, in the same detached chain, logging to results/regen-table/then.log (e.g.
+#       after the runs, in the same detached chain, logging to results/regen-table/then.log, its $OUT
+#       results/regen-table/then-out (copied back by status) (e.g.
 #       THEN="bash benchmarks/gpu_compare_trainers.sh run-of regen17-t06-all": no idle gap between
 #       device calls can lose it).
 #   bash benchmarks/gpu_regenerate_table.sh serve RUN...   detached: benchmark_serving alone on the GPU
@@ -102,7 +103,8 @@ case "${1:-}" in
     ;;
   _chain)
     chain; rc=$?
-    if [ -n "${THEN:-}" ]; then bash -c "$THEN" > "$W/then.log" 2>&1 || rc=1; fi
+    # THEN's own $OUT (the start call's is gone by then): status copies it back with the rest
+    if [ -n "${THEN:-}" ]; then mkdir -p "$W/then-out" && OUT="$PWD/$W/then-out" bash -c "$THEN" > "$W/then.log" 2>&1 || rc=1; fi
     exit $rc
     ;;
   _serve) shift; serve "$@" ;;
@@ -130,7 +132,7 @@ case "${1:-}" in
       --serving "$W"/serving_*.json --json "$W/table.json" 2>&1 | tee "$W/table.md"
     if [ -n "${OUT:-}" ]; then
       cp "$W/table.md" "$W/table.json" "$OUT/" 2>/dev/null
-      tar -czf "$OUT/regen_table.tgz" --ignore-failed-read "$W"/*.log "$W"/*.json "$W/mla" \
+      tar -czf "$OUT/regen_table.tgz" --ignore-failed-read "$W"/*.log "$W"/*.json "$W/mla" "$W/then-out" \
         $(for r in $RUNS; do echo "results/$r/logs results/$r/benchmarks results/$r/regenerated/stats.json \
           results/$r/regenerated/eval_prompts_stats.json results/$r/data/stats.json results/$r/eval \
           results/$r/train/metrics.jsonl results/$r/train/summary.json results/$r/draft/config.json"; done) 2>/dev/null
