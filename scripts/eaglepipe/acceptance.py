@@ -390,21 +390,12 @@ def evaluate_rows(model, rows, head: torch.Tensor, k: int, loss_config, ttt_step
     return total
 
 
-@torch.no_grad()
 def replay_walk(model, rows, head: torch.Tensor, k: int, loss_config, device: torch.device | str = "cpu") -> dict:
-    """``walk_counts`` summed over rows: the replay of what vLLM's counters count on the same text."""
-    was_training = model.training
-    model.eval()
-    total = {"drafts": 0, "accepted_per_pos": [0] * k, "cut": 0, "tail": 0}
-    for batch in rows:
-        b = {key: batch[key].to(device) for key in ROW_KEYS}
-        hit, evaluable, valid, _, _ = row_chains(model, b, head, k, loss_config)
-        counts = walk_counts(hit, evaluable, valid, b["loss_mask"][0], b["document_ids"][0])
-        for key in ("drafts", "cut", "tail"):
-            total[key] += counts[key]
-        total["accepted_per_pos"] = [a + c for a, c in zip(total["accepted_per_pos"], counts["accepted_per_pos"])]
-    model.train(was_training)
-    return total
+    """``walk_counts`` summed over rows (``evaluate_rows`` keeps them): the replay of what vLLM's
+    counters count on the same text."""
+    counts = evaluate_rows(model, rows, head, k, loss_config, device=device)
+    return {"drafts": int(counts["walk_drafts"]), "accepted_per_pos": counts["walk_accepted"].tolist(),
+            "cut": int(counts["walk_cut"]), "tail": int(counts["walk_tail"])}
 
 
 def eval_metrics(counts: dict, strata: Strata | None = None) -> dict:

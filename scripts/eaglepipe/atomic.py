@@ -29,6 +29,11 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
+def _tmp_prefix(name: str) -> str:
+    """How a write of ``name`` in progress is named (and its leftover found after a kill)."""
+    return f".tmp-{name}."
+
+
 @contextmanager
 def atomic_dir(path: str | os.PathLike):
     """Yield a temporary directory beside ``path``; on success it replaces ``path`` whole.
@@ -41,10 +46,10 @@ def atomic_dir(path: str | os.PathLike):
     path.parent.mkdir(parents=True, exist_ok=True)
     # A kill -9 skips the cleanup in `finally`: the next write of the same path removes what the
     # killed one left (one writer per path: Snakemake's lock and ours per stage directory).
-    for leftover in [*path.parent.glob(f".tmp-{path.name}.*"), *path.parent.glob(f".tmp-old-{path.name}.*")]:
+    for leftover in [*path.parent.glob(f"{_tmp_prefix(path.name)}*"), *path.parent.glob(f".tmp-old-{path.name}.*")]:
         if leftover.is_dir():
             shutil.rmtree(leftover)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{path.name}.", dir=path.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=_tmp_prefix(path.name), dir=path.parent))
     old = None
     try:
         yield tmp
@@ -71,7 +76,7 @@ def atomic_path(path: str | os.PathLike):
     """Yield a temporary path beside ``path``; on success it is fsynced and renamed to ``path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}.", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=_tmp_prefix(path.name), dir=path.parent)
     os.close(fd)
     try:
         yield Path(tmp)
@@ -113,7 +118,7 @@ def remove_stale_temporaries(directory: str | os.PathLike, names: Iterable[str] 
     directory = Path(directory)
     if not directory.is_dir():
         return 0
-    patterns = [".tmp-*"] if names is None else [f".tmp-{name}.*" for name in names]
+    patterns = [".tmp-*"] if names is None else [f"{_tmp_prefix(name)}*" for name in names]
     stale = [p for pattern in patterns for p in directory.glob(pattern)]
     for p in stale:
         p.unlink(missing_ok=True)

@@ -188,7 +188,6 @@ class PackedRows:
         return batch
 
 
-
 def pad_row(batch: dict, length: int) -> dict:
     """Pad a row to ``length`` tokens. Pads are outside every document (id -1, as speculators' own
     collate pads) and outside the loss mask, so no loss, metric or AL anchor sees them."""
