@@ -12,7 +12,10 @@
 #       after the runs, in the same detached chain, logging to results/regen-table/then.log, its $OUT
 #       results/regen-table/then-out (copied back by status) (e.g.
 #       THEN="bash benchmarks/gpu_compare_trainers.sh run-of regen17-t06-all": no idle gap between
-#       device calls can lose it).
+#       device calls can lose it); BESIDE="cmd" starts once the target is built, beside the runs, logging
+#       to results/regen-table/beside.log (e.g. BESIDE="bash benchmarks/gpu_long_context.sh _chain": its
+#       own target build would contend for Snakemake's lock); THEN waits for it too (its timings need
+#       the GPU alone).
 #   bash benchmarks/gpu_regenerate_table.sh serve RUN...   detached: benchmark_serving alone on the GPU
 #       for each run's draft (K 2-4, concurrency 1 and 4), one after the other.
 #   bash benchmarks/gpu_regenerate_table.sh status [WAIT_S]   waits up to WAIT_S s while anything runs,
@@ -65,6 +68,7 @@ chain() {  # the target once, then the runs at once
   local run
   for run in $RUNS; do regenerate_of "$run" > /dev/null || return 1; done
   python3 -m snakemake --cores all --configfile "$PRESET" -- results/models/SmolLM2-135M-Instruct || return 1
+  [ -n "${BESIDE:-}" ] && detach beside bash -c "$BESIDE"
   local pids=()
   for run in $RUNS; do
     python3 -m snakemake --cores 4 --nolock --configfile "$PRESET" --config "run_name=$run" "${COMMON[@]}" \
@@ -103,6 +107,7 @@ case "${1:-}" in
     ;;
   _chain)
     chain; rc=$?
+    while [ -f "$W/beside.pid" ] && kill -0 "$(cat "$W/beside.pid")" 2>/dev/null; do sleep 10; done
     # THEN's own $OUT (the start call's is gone by then): status copies it back with the rest
     if [ -n "${THEN:-}" ]; then mkdir -p "$W/then-out" && OUT="$PWD/$W/then-out" bash -c "$THEN" > "$W/then.log" 2>&1 || rc=1; fi
     exit $rc
@@ -127,6 +132,7 @@ case "${1:-}" in
     done
     [ -f "$W/mla/summary.txt" ] && { echo "--- mla"; tail -n 12 "$W/mla/summary.txt"; }
     [ -f "$W/serve.log" ] && { echo "--- serve"; grep -E "^benchmark_serving:|speedup|Error" "$W/serve.log" | tail -n 8; }
+    [ -f "$W/beside.log" ] && { echo "--- beside"; tail -n 5 "$W/beside.log"; }
     [ -f "$W/then.log" ] && { echo "--- then"; tail -n 12 "$W/then.log"; }
     python3 benchmarks/regenerate_table.py $(for r in $RUNS; do echo "results/$r"; done) --shared-gpu \
       --serving "$W"/serving_*.json --json "$W/table.json" 2>&1 | tee "$W/table.md"
