@@ -158,12 +158,13 @@ run-of)
     --vocab "$run/data/vocab_mapping.safetensors" --model "$model" --steps 60 --warmup 10 \
     --batch-tokens "$BATCH_TOKENS" --ttt-steps 3 --lr "$LR" --warmup-steps "$WARMUP" --device cuda \
     --torch-profiler "$W/prof" --json "$W/profile_trainer.json"
-  tail -n 20 "$W/profile.log" | tee -a "$W/summary.txt"
+  # the phase split and side figures; the torch.profiler table after them is in the JSON and the trace
+  awk '/^phase /{on=1} on && /^-----/{exit} on' "$W/profile.log" | tee -a "$W/summary.txt"
+  cp "$W/profile_trainer.json" "$O/" 2>/dev/null  # now: the comparison below may be cut at the call's limit
   step compare compare "$W/work" "$run/hidden_states/manifest.json" "$run/data/vocab_mapping.safetensors" "$model" \
     "$W/compare.json" "$STEPS" "$BATCH_TOKENS" --lr "$LR" --warmup-steps "$WARMUP"
   grep -A8 "^trainer" "$W/compare.log" | tee -a "$W/summary.txt"
   grep "^FINAL_OFFLINE_AL" "$W/compare.log" | tee -a "$W/summary.txt"
-  cp "$W/profile_trainer.json" "$O/" 2>/dev/null
   finish 0
   ;;
 *)
