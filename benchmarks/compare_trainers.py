@@ -241,17 +241,21 @@ def stage(path: Path, fn) -> dict:
     return result
 
 
-def train_ours(args, work: Path) -> dict:
-    out = work / "ours"
+def ours_name(window: int) -> str:
+    return "ours" if window == 1 else f"ours-w{window}"
+
+
+def train_ours(args, work: Path, window: int) -> dict:
+    out = work / ours_name(window)
     if out.exists():  # a killed run: start over, or the timing would mix two processes
         shutil.rmtree(out)
     cmd = [sys.executable, "-m", "eaglepipe.train_draft", "--manifest", str(args.manifest), "--vocab", str(args.vocab),
            "--model", str(args.model), "--out-dir", str(out), "--ttt-steps", str(args.ttt_steps),
            "--ttt-step-loss-decay", "1.0", "--lr", repr(args.lr), "--weight-decay", "0.0",
            "--warmup-steps", str(args.warmup_steps), "--max-steps", str(args.steps),
-           "--batch-tokens", str(args.batch_tokens), "--eval-every", str(args.steps),
+           "--batch-tokens", str(args.batch_tokens), "--shuffle-window", str(window), "--eval-every", str(args.steps),
            "--checkpoint-every", str(args.steps), "--loss", "kl_div", "--seed", str(args.seed)]
-    wall = run_logged(cmd, work / "ours_train.log", {"PYTHONPATH": pythonpath()})
+    wall = run_logged(cmd, work / f"{ours_name(window)}_train.log", {"PYTHONPATH": pythonpath()})
     summary = read_json_object(out / "summary.json", "training summary", SystemExit)
     return {"wall_s": round(wall, 1), "draft": str(out / summary["last"]),
             **ours_timing(out / "metrics.jsonl", args.warmup_report)}
@@ -303,15 +307,21 @@ def ratio(a, b):
 def report(results: dict) -> str:
     head = f"{'trainer':<12} {'steps':>6} {'tok/step':>9} {'ms/step':>8} {'tok/s':>9} {'AL':>7}  per-position acceptance"
     lines = [head, "-" * len(head)]
-    for name in ("ours", "speculators"):
+    for name in trainers(results):
         r = results[name]
         pos = ", ".join(f"{p:.3f}" if p is not None else "-" for p in r["per_position_acceptance"])
         lines.append(f"{name:<12} {r['steps']:>6} {r['tokens_per_step'] or 0:>9.0f} {r['ms_per_step'] or 0:>8.1f} "
                      f"{r['tokens_per_s'] or 0:>9.0f} {r['acceptance_length'] or 0:>7.3f}  [{pos}]")
-    q = results["ratio_ours_over_speculators"]
-    lines.append(f"ours / speculators: ms/step {q['ms_per_step']}, tokens/s {q['tokens_per_s']}, "
-                 f"offline AL {q['acceptance_length']}")
+    for name in trainers(results)[:-1]:
+        q = results[f"ratio_{name}_over_speculators"]
+        lines.append(f"{name} / speculators: ms/step {q['ms_per_step']}, tokens/s {q['tokens_per_s']}, "
+                     f"offline AL {q['acceptance_length']}")
     return "\n".join(lines)
+
+
+def trainers(results: dict) -> list[str]:
+    """Our runs (one per shuffle window), then speculators'."""
+    return [k for k in results if k.startswith("ours")] + ["speculators"]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -330,11 +340,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--spec-workers", type=int, default=8, help="speculators' DataLoader workers")
     p.add_argument("--spec-hidden-states-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--warmup-report", type=int, default=20, help="steps left out of the median ms/step")
+    p.add_argument("--ours-shuffle-windows", default="1",
+                   help="our trainer once per train.shuffle_window, e.g. 1,8 (rows ours, ours-w8)")
     p.add_argument("--json", required=True, type=Path)
     args = p.parse_args(argv)
     for name in ("steps", "batch_tokens", "ttt_steps", "k"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
+    try:
+        args.ours_shuffle_windows = sorted({int(w) for w in args.ours_shuffle_windows.split(",")})
+    except ValueError:
+        p.error(f"--ours-shuffle-windows {args.ours_shuffle_windows}: comma-separated shard counts, e.g. 1,8")
+    if args.ours_shuffle_windows[0] < 1:
+        p.error(f"--ours-shuffle-windows {args.ours_shuffle_windows}: each must be >= 1")
     return args
 
 
@@ -350,10 +368,9 @@ def main(argv=None) -> None:
         raise SystemExit(str(e)) from e
     work = args.work
     work.mkdir(parents=True, exist_ok=True)
-    results = {
-        "ours": stage(work / "ours.json", lambda: train_ours(args, work)),
-        "speculators": stage(work / "speculators.json", lambda: train_speculators(args, work, manifest)),
-    }
+    results = {ours_name(w): stage(work / f"{ours_name(w)}.json", lambda w=w: train_ours(args, work, w))
+               for w in args.ours_shuffle_windows}
+    results["speculators"] = stage(work / "speculators.json", lambda: train_speculators(args, work, manifest))
     for name, r in results.items():
         ev = stage(work / f"eval_{name}_summary.json", lambda r=r, name=name: evaluate(args, work, name, r["draft"]))
         r.update(acceptance_length=ev["acceptance_length"], per_position_acceptance=ev["per_position_acceptance"],
@@ -362,14 +379,15 @@ def main(argv=None) -> None:
                  if r["tokens_per_step"] and r["ms_per_step"] else None)
         if r["steps"] != args.steps:
             print(f"warning: {name} ran {r['steps']} steps, asked {args.steps}", file=sys.stderr)
-    results["ratio_ours_over_speculators"] = {
-        k: ratio(results["ours"][k], results["speculators"][k]) for k in ("ms_per_step", "tokens_per_s", "acceptance_length")}
+    for name in trainers(results)[:-1]:
+        results[f"ratio_{name}_over_speculators"] = {
+            k: ratio(results[name][k], results["speculators"][k]) for k in ("ms_per_step", "tokens_per_s", "acceptance_length")}
     results["settings"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     results["settings"].update(layer_ids=manifest["layer_ids"], gpu=torch.cuda.get_device_name(0),
                                torch=torch.__version__)
     write_json(args.json, results)
     print(report(results))
-    for name in ("ours", "speculators"):
+    for name in trainers(results):
         print(f"FINAL_OFFLINE_AL {name} {results[name]['acceptance_length']} (k={args.k})")
 
 

@@ -132,7 +132,7 @@ class Trainer:
     def rows(self, split: str = "train", **kw) -> PackedRows:
         shuffle = split == "train"
         return PackedRows(self.manifest, split, self.targs.batch_tokens, seed=self.targs.seed, shuffle=shuffle,
-                          **{**self.row_options, **kw})
+                          shuffle_window=self.targs.shuffle_window, **{**self.row_options, **kw})
 
     def autocast(self):
         # as train_draft: bf16 autocast over fp32 weights on GPUs, fp32 on CPU

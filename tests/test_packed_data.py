@@ -179,6 +179,79 @@ def test_shuffle_deterministic_and_resumable(tmp_path):
     assert [row_tokens(b) for _, b in first[5:]] == [row_tokens(next(resumed)[1]) for _ in range(7)]
 
 
+# the plan of [[4, 5, 3], [6, 2, 2], [7, 3]] at batch_tokens 9, seed 1, epochs 0 and 1, as the reader
+# made it before shuffle windows existed: a window of one shard must keep it, so runs resume as before
+PLAN_BEFORE_WINDOWS = [
+    [[(2, 0, 7)], [(2, 1, 3), (1, 0, 6)], [(1, 2, 2), (1, 1, 2), (0, 1, 5)], [(0, 2, 3), (0, 0, 4)]],
+    [[(1, 0, 6), (1, 1, 2)], [(1, 2, 2), (0, 2, 3), (0, 0, 4)], [(0, 1, 5), (2, 1, 3)], [(2, 0, 7)]],
+]
+
+
+def test_a_one_shard_window_keeps_the_plan_before_windows(tmp_path):
+    m = random_manifest(tmp_path, [[4, 5, 3], [6, 2, 2], [7, 3]])
+    rows = PackedRows(m, "train", batch_tokens=9, seed=1, shuffle_window=1)
+    assert [list(rows.plan(e)) for e in (0, 1)] == PLAN_BEFORE_WINDOWS
+
+
+def test_a_shuffle_window_mixes_its_shards_samples_and_nothing_else(tmp_path):
+    lengths = [[4, 5, 3, 2], [6, 2, 2, 3], [7, 3, 2, 4], [2, 2, 5, 3]]
+    m = random_manifest(tmp_path, lengths)
+    every = sorted((si, b) for si, lens in enumerate(lengths) for b in range(len(lens)))
+    order = PackedRows(m, "train", batch_tokens=9, seed=1).plan  # one-shard windows
+    for window in (2, 4):
+        rows = PackedRows(m, "train", batch_tokens=9, seed=1, shuffle_window=window)
+        plans = [list(rows.plan(e)) for e in (0, 1)]
+        assert plans == [list(PackedRows(m, "train", 9, seed=1, shuffle_window=window).plan(e)) for e in (0, 1)]
+        for plan in plans:
+            samples = [(si, b) for row in plan for si, b, _ in row]
+            assert sorted(samples) == every  # each sample once an epoch
+            # the window's shards come in the epoch's shard order (windows do not change it), and
+            # every sample of one window comes before any of the next
+            shards_in_order = list(dict.fromkeys(si for row in order(plans.index(plan)) for si, _, _ in row))
+            windows = [set(shards_in_order[w:w + window]) for w in range(0, len(lengths), window)]
+            seen = [next(i for i, ws in enumerate(windows) if si in ws) for si, _ in samples]
+            assert seen == sorted(seen)
+        assert plans[0] != plans[1]
+        # one-shard windows change shard 3 times an epoch (4 shards); mixed windows, more often
+        for e, plan in enumerate(plans):
+            shards = [si for row in plan for si, _, _ in row]
+            changes = sum(a != b for a, b in zip(shards, shards[1:]))
+            assert changes > len(lengths) - 1 and plan != list(order(e))
+
+
+def test_rows_of_a_shuffle_window_read_each_sample_and_hold_that_many_shards(tmp_path):
+    lengths = [[4, 5, 3], [6, 2, 2], [7, 3], [2, 5]]
+    m = random_manifest(tmp_path, lengths)
+    starts = {}  # (shard, sample) -> its first token id (ids count tokens across the shards)
+    counter = 0
+    for si, lens in enumerate(lengths):
+        for b, n in enumerate(lens):
+            starts[si, b], counter = counter, counter + n
+    rows = PackedRows(m, "train", batch_tokens=9, seed=4, shuffle_window=2)
+    plan = list(rows.plan(0))
+    stream = rows.stream()
+    for row in plan:
+        _, batch = next(stream)
+        ids = row_tokens(batch)
+        at = 0
+        for si, b, n in row:  # each document is its sample's tokens, shifted by one
+            assert ids[at:at + n - 1] == list(range(starts[si, b] + 1, starts[si, b] + n))
+            at += n - 1
+        assert len(rows._cached) <= 2
+    # resumed mid-epoch, the rest of the stream is the same
+    pos, _ = next(PackedRows(m, "train", 9, seed=4, shuffle_window=2).stream())
+    resumed = PackedRows(m, "train", 9, seed=4, shuffle_window=2).stream(*pos)
+    again = PackedRows(m, "train", 9, seed=4, shuffle_window=2).stream()
+    next(again)
+    assert [row_tokens(next(resumed)[1]) for _ in range(5)] == [row_tokens(next(again)[1]) for _ in range(5)]
+
+
+def test_a_shuffle_window_below_one_is_refused(tmp_path):
+    m = random_manifest(tmp_path, [[4, 5]])
+    with pytest.raises(ValueError, match="shuffle_window 0"):
+        PackedRows(m, "train", 9, shuffle_window=0)
+
+
 def test_ranks_take_disjoint_rows(tmp_path):
     m = random_manifest(tmp_path, [[4, 5, 3], [6, 2, 2], [7, 3]])
     single = [row_tokens(b) for _, (_, b) in zip(range(4), PackedRows(m, "train", 9, seed=3).stream(), strict=False)]

@@ -7,7 +7,12 @@ state y_{t+1}; position ids restart at 1 in every sample and ``document_ids`` ke
 attending to each other. ``categories`` lists each document's category (shards.row_categories), for
 the evaluation strata; it is a plain list, not a row tensor.
 
-Nothing is read at start-up: an epoch's plan (shard order, sample order inside a shard, packing)
+Shuffling mixes the samples of ``shuffle_window`` consecutive shards of the epoch's shard order
+(1: each shard's own samples, in a shuffled order). A shard holds consecutive records of the data,
+often parts of one conversation, so a wider window gives each row less correlated samples, as a
+global permutation (speculators' sampler) does, at the cost of that many shards held in memory.
+
+Nothing is read at start-up: an epoch's plan (shard order, sample order inside a window, packing)
 is computed lazily from the manifest, a shard's ``offsets`` are read only when the plan reaches
 it, and its hidden states only when one of this rank's rows needs them. The plan depends on
 (seed, epoch) only, never on the world size: the position is the global row index, and each step
@@ -18,6 +23,7 @@ different world size.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Iterator
 
 import torch
@@ -33,9 +39,11 @@ Row = list[tuple[int, int, int]]  # (shard index, sample index in the shard, tok
 class PackedRows:
     def __init__(self, manifest: dict, split: str, batch_tokens: int, seed: int = 0, shuffle: bool = True,
                  rank: int = 0, world_size: int = 1, dtype: torch.dtype = torch.float32, pad_to: int | None = None,
-                 pin_memory: bool = False):
+                 pin_memory: bool = False, shuffle_window: int = 1):
         if batch_tokens < 2:
             raise ValueError(f"batch_tokens {batch_tokens}: need at least 2 (one shifted token)")
+        if shuffle_window < 1:
+            raise ValueError(f"shuffle_window {shuffle_window}: need at least 1 shard")
         self.shards = shard_paths(manifest, split)
         if not self.shards:
             raise SystemExit(f"manifest {manifest.get('_path')}: split {split!r} has no shards")
@@ -51,6 +59,7 @@ class PackedRows:
         self.num_layers = len(manifest["layer_ids"])
         self.batch_tokens = batch_tokens
         self.seed, self.shuffle = seed, shuffle
+        self.window = shuffle_window if shuffle else 1
         self.rank, self.world_size = rank, world_size
         self.dtype = dtype
         if pad_to is not None and pad_to < batch_tokens:
@@ -58,7 +67,7 @@ class PackedRows:
         self.pad_to = pad_to
         self.pin_memory = pin_memory
         self._offsets: dict[int, torch.Tensor] = {}
-        self._cached: tuple[int, Shard] | None = None
+        self._cached: OrderedDict[int, Shard] = OrderedDict()  # the last `window` shards read
         self.truncated: set[tuple[int, int]] = set()
         self.too_short: set[tuple[int, int]] = set()
 
@@ -81,15 +90,17 @@ class PackedRows:
     def plan(self, epoch: int) -> Iterator[Row]:
         """The epoch's rows in order (global, the same on every rank)."""
         n = len(self.shards)
-        order = torch.randperm(n, generator=self._generator(epoch)) if self.shuffle else torch.arange(n)
+        order = (torch.randperm(n, generator=self._generator(epoch)) if self.shuffle else torch.arange(n)).tolist()
         row: Row = []
         used = 0
-        for si in order.tolist():
-            lengths = self.offsets(si).diff()
-            samples = (torch.randperm(len(lengths), generator=self._generator(epoch, si))
-                       if self.shuffle else torch.arange(len(lengths)))
-            for b in samples.tolist():
-                length = int(lengths[b])
+        for w in range(0, n, self.window):
+            window = order[w:w + self.window]
+            lengths = {si: self.offsets(si).diff().tolist() for si in window}
+            items = [(si, b) for si in window for b in range(len(lengths[si]))]
+            if self.shuffle:  # a one-shard window's generator is (epoch, shard), the plan before windows
+                items = [items[i] for i in torch.randperm(len(items), generator=self._generator(epoch, *window)).tolist()]
+            for si, b in items:
+                length = lengths[si][b]
                 if length < 2:  # nothing left after the shift
                     self.too_short.add((si, b))
                     continue
@@ -143,7 +154,9 @@ class PackedRows:
 
     # ------------------------------------------------------------------ tensors
     def _shard(self, si: int) -> Shard:
-        if self._cached is None or self._cached[0] != si:
+        if si in self._cached:
+            self._cached.move_to_end(si)
+        else:
             path = self.shards[si][0]
             try:
                 shard = read_shard(path)
@@ -157,8 +170,10 @@ class PackedRows:
             if shard.hidden_states.shape[1] != self.num_layers:
                 raise SystemExit(f"shard {path}: hidden_states has {shard.hidden_states.shape[1]} layers, "
                                  f"the manifest lists {self.num_layers} layer ids")
-            self._cached = (si, shard)
-        return self._cached[1]
+            self._cached[si] = shard
+            if len(self._cached) > self.window:
+                self._cached.popitem(last=False)
+        return self._cached[si]
 
     def materialize(self, row: Row) -> dict:
         from speculators.models.eagle3.data import shift_batch

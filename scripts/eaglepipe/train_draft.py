@@ -57,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-steps", type=int, default=20)
     p.add_argument("--max-steps", type=int, default=1000)
     p.add_argument("--batch-tokens", type=int, default=8192)
+    p.add_argument("--shuffle-window", type=int, default=1,
+                   help="shards whose samples are shuffled together (packed_data; RAM holds that many shards)")
     p.add_argument("--eval-every", type=int, default=200)
     p.add_argument("--checkpoint-every", type=int, default=200)
     p.add_argument("--loss", default="kl_div", help="a speculators loss name (kl_div, ce, ...) or a JSON mix")
@@ -71,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv=None) -> argparse.Namespace:
     p = build_parser()
     args = p.parse_args(argv)
-    for name in ("ttt_steps", "max_steps", "batch_tokens", "eval_every", "checkpoint_every"):
+    for name in ("ttt_steps", "max_steps", "batch_tokens", "shuffle_window", "eval_every", "checkpoint_every"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
     if args.draft_mlp_width is not None and args.draft_mlp_width < 1:
@@ -218,7 +220,8 @@ def train(args, stop_after: int | None = None) -> dict | None:
 
     # the next rows are packed by a thread while this step runs (on a GPU that was idle time)
     stream = prefetch(PackedRows(manifest, "train", args.batch_tokens, seed=args.seed, shuffle=True, rank=rank,
-                                 world_size=world, **training_row_options(device, args.batch_tokens)).stream(*position))
+                                 world_size=world, shuffle_window=args.shuffle_window,
+                                 **training_row_options(device, args.batch_tokens)).stream(*position))
     log_every = max(1, args.max_steps // 200)
     keys = ("hidden_states", "input_ids", "document_ids", "loss_mask", "position_ids", "verifier_last_hidden_states")
     window_tokens, window_start = 0, time.perf_counter()
