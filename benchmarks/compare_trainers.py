@@ -241,21 +241,21 @@ def stage(path: Path, fn) -> dict:
     return result
 
 
-def ours_name(window: int) -> str:
-    return "ours" if window == 1 else f"ours-w{window}"
+def ours_name(buffer_gib: float) -> str:
+    return "ours" if buffer_gib == 0 else f"ours-buf{buffer_gib:g}"
 
 
-def train_ours(args, work: Path, window: int) -> dict:
-    out = work / ours_name(window)
+def train_ours(args, work: Path, buffer_gib: float) -> dict:
+    out = work / ours_name(buffer_gib)
     if out.exists():  # a killed run: start over, or the timing would mix two processes
         shutil.rmtree(out)
     cmd = [sys.executable, "-m", "eaglepipe.train_draft", "--manifest", str(args.manifest), "--vocab", str(args.vocab),
            "--model", str(args.model), "--out-dir", str(out), "--ttt-steps", str(args.ttt_steps),
            "--ttt-step-loss-decay", "1.0", "--lr", repr(args.lr), "--weight-decay", "0.0",
            "--warmup-steps", str(args.warmup_steps), "--max-steps", str(args.steps),
-           "--batch-tokens", str(args.batch_tokens), "--shuffle-window", str(window), "--eval-every", str(args.steps),
+           "--batch-tokens", str(args.batch_tokens), "--shuffle-buffer-gib", repr(buffer_gib), "--eval-every", str(args.steps),
            "--checkpoint-every", str(args.steps), "--loss", "kl_div", "--seed", str(args.seed)]
-    wall = run_logged(cmd, work / f"{ours_name(window)}_train.log", {"PYTHONPATH": pythonpath()})
+    wall = run_logged(cmd, work / f"{ours_name(buffer_gib)}_train.log", {"PYTHONPATH": pythonpath()})
     summary = read_json_object(out / "summary.json", "training summary", SystemExit)
     return {"wall_s": round(wall, 1), "draft": str(out / summary["last"]),
             **ours_timing(out / "metrics.jsonl", args.warmup_report)}
@@ -320,7 +320,7 @@ def report(results: dict) -> str:
 
 
 def trainers(results: dict) -> list[str]:
-    """Our runs (one per shuffle window), then speculators'."""
+    """Our runs (one per shuffle buffer), then speculators'."""
     return [k for k in results if k.startswith("ours")] + ["speculators"]
 
 
@@ -340,19 +340,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--spec-workers", type=int, default=8, help="speculators' DataLoader workers")
     p.add_argument("--spec-hidden-states-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--warmup-report", type=int, default=20, help="steps left out of the median ms/step")
-    p.add_argument("--ours-shuffle-windows", default="1",
-                   help="our trainer once per train.shuffle_window, e.g. 1,8 (rows ours, ours-w8)")
+    p.add_argument("--ours-shuffle-buffers", default="0",
+                   help="our trainer once per train.shuffle_buffer_gib, e.g. 0,4 (rows ours: each shard alone, "
+                        "as speculators' own shuffle is not; ours-buf4)")
     p.add_argument("--json", required=True, type=Path)
     args = p.parse_args(argv)
     for name in ("steps", "batch_tokens", "ttt_steps", "k"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
     try:
-        args.ours_shuffle_windows = sorted({int(w) for w in args.ours_shuffle_windows.split(",")})
+        args.ours_shuffle_buffers = sorted({float(g) for g in args.ours_shuffle_buffers.split(",")})
     except ValueError:
-        p.error(f"--ours-shuffle-windows {args.ours_shuffle_windows}: comma-separated shard counts, e.g. 1,8")
-    if args.ours_shuffle_windows[0] < 1:
-        p.error(f"--ours-shuffle-windows {args.ours_shuffle_windows}: each must be >= 1")
+        p.error(f"--ours-shuffle-buffers {args.ours_shuffle_buffers}: comma-separated GiB, e.g. 0,4")
+    if args.ours_shuffle_buffers[0] < 0:
+        p.error(f"--ours-shuffle-buffers {args.ours_shuffle_buffers}: each must be >= 0")
     return args
 
 
@@ -368,8 +369,8 @@ def main(argv=None) -> None:
         raise SystemExit(str(e)) from e
     work = args.work
     work.mkdir(parents=True, exist_ok=True)
-    results = {ours_name(w): stage(work / f"{ours_name(w)}.json", lambda w=w: train_ours(args, work, w))
-               for w in args.ours_shuffle_windows}
+    results = {ours_name(g): stage(work / f"{ours_name(g)}.json", lambda g=g: train_ours(args, work, g))
+               for g in args.ours_shuffle_buffers}
     results["speculators"] = stage(work / "speculators.json", lambda: train_speculators(args, work, manifest))
     for name, r in results.items():
         ev = stage(work / f"eval_{name}_summary.json", lambda r=r, name=name: evaluate(args, work, name, r["draft"]))

@@ -27,7 +27,7 @@
 # results/models/SmolLM2-135M-Instruct --out-dir .gpu/data --max-samples 4000 --max-length 1024
 # --too-long truncate --eval-fraction 0.03 --seed 0`, then gzip of the two JSONL files.
 # Settings below: env STEPS, BATCH_TOKENS, LR, WARMUP, DRAFT_VOCAB, EXTRACT_BATCH, MAX_SAMPLES (per
-# split, default all), DEADLINE_S (compare ends by then, default 570), OURS_WINDOWS (default 1,8).
+# split, default all), DEADLINE_S (compare ends by then, default 570), OURS_BUFFERS (default 0,4).
 # Results in $OUT: compare.json (compare_trainers --json), summary.txt, logs.tar.gz.
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -38,7 +38,7 @@ mkdir -p "$W" "$O"
 export PYTHONPATH="/tmp/site:/tmp/pkg:$REPO/scripts" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 STEPS=${STEPS:-1000} BATCH_TOKENS=${BATCH_TOKENS:-8192} LR=${LR:-0.001} WARMUP=${WARMUP:-50}
 DRAFT_VOCAB=${DRAFT_VOCAB:-16384} EXTRACT_BATCH=${EXTRACT_BATCH:-64}
-OURS_WINDOWS=${OURS_WINDOWS:-1,8}   # our trainer once per train.shuffle_window (rows ours, ours-w8)
+OURS_BUFFERS=${OURS_BUFFERS:-0,4}   # our trainer once per train.shuffle_buffer_gib (rows ours, ours-buf4)
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf   # build_target.py RECIPES["smollm2-gguf"]
 
 step() {  # step NAME cmd...: run, log to $W/NAME.log, report rc and seconds, stop on failure
@@ -89,7 +89,7 @@ pipeline() {  # data, extraction, vocab mapping, comparison on the target in $W/
     --token-freq .gpu/data/token_freq.safetensors --draft-vocab-size "$DRAFT_VOCAB" --out "$W/vocab.safetensors"
   tail -n 1 "$W/vocab.log" | tee -a "$W/summary.txt"
   step compare compare "$W/work" "$W/hs/manifest.json" "$W/vocab.safetensors" "$W/target" "$W/compare.json" \
-    "$STEPS" "$BATCH_TOKENS" --lr "$LR" --warmup-steps "$WARMUP" --ours-shuffle-windows "$OURS_WINDOWS"
+    "$STEPS" "$BATCH_TOKENS" --lr "$LR" --warmup-steps "$WARMUP" --ours-shuffle-buffers "$OURS_BUFFERS"
   grep -A8 "^trainer" "$W/compare.log" | tee -a "$W/summary.txt"
   grep "^FINAL_OFFLINE_AL" "$W/compare.log" | tee -a "$W/summary.txt"
 }
@@ -163,7 +163,7 @@ run-of)
   awk '/^phase /{on=1} on && /^-----/{exit} on' "$W/profile.log" | tee -a "$W/summary.txt"
   cp "$W/profile_trainer.json" "$O/" 2>/dev/null  # now: the comparison below may be cut at the call's limit
   step compare compare "$W/work" "$run/hidden_states/manifest.json" "$run/data/vocab_mapping.safetensors" "$model" \
-    "$W/compare.json" "$STEPS" "$BATCH_TOKENS" --lr "$LR" --warmup-steps "$WARMUP" --ours-shuffle-windows "$OURS_WINDOWS"
+    "$W/compare.json" "$STEPS" "$BATCH_TOKENS" --lr "$LR" --warmup-steps "$WARMUP" --ours-shuffle-buffers "$OURS_BUFFERS"
   grep -A8 "^trainer" "$W/compare.log" | tee -a "$W/summary.txt"
   grep "^FINAL_OFFLINE_AL" "$W/compare.log" | tee -a "$W/summary.txt"
   finish 0

@@ -48,7 +48,7 @@ from eaglepipe.atomic import write_json  # noqa: E402
 from eaglepipe.draft_model import (LOSS_IMPLEMENTATION, build_draft, load_target_head,  # noqa: E402
                                    training_row_options)
 from eaglepipe.layers import aux_layer_ids, validate_layer_ids  # noqa: E402
-from eaglepipe.packed_data import PackedRows  # noqa: E402
+from eaglepipe.packed_data import PackedRows, shuffle_window  # noqa: E402
 from eaglepipe.prefetch import prefetch  # noqa: E402
 from eaglepipe.runtime import set_threads, setup_distributed  # noqa: E402
 from eaglepipe.shards import load_manifest  # noqa: E402
@@ -132,7 +132,8 @@ class Trainer:
     def rows(self, split: str = "train", **kw) -> PackedRows:
         shuffle = split == "train"
         return PackedRows(self.manifest, split, self.targs.batch_tokens, seed=self.targs.seed, shuffle=shuffle,
-                          shuffle_window=self.targs.shuffle_window, **{**self.row_options, **kw})
+                          shuffle_window=shuffle_window(self.manifest, split, int(self.targs.shuffle_buffer_gib * 2**30)),
+                          **{**self.row_options, **kw})
 
     def autocast(self):
         # as train_draft: bf16 autocast over fp32 weights on GPUs, fp32 on CPU

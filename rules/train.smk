@@ -27,7 +27,7 @@ rule train_draft:
         warmup=config["train"]["warmup_steps"],
         steps=config["train"]["max_steps"],
         batch_tokens=config["train"]["batch_tokens"],
-        shuffle_window=config["train"]["shuffle_window"],
+        shuffle_buffer=config["train"]["shuffle_buffer_gib"],
         eval_every=config["train"]["eval_every"],
         ckpt_every=config["train"]["checkpoint_every"],
         loss=config["train"]["loss"],
@@ -52,7 +52,7 @@ rule train_draft:
         "--manifest {input.manifest} --vocab {input.vocab} --model {params.model} {params.trust} "
         "--out-dir {params.outdir} --ttt-steps {params.ttt} --ttt-step-loss-decay {params.decay} "
         "--lr {params.lr} --weight-decay {params.wd} --warmup-steps {params.warmup} "
-        "--max-steps {params.steps} --batch-tokens {params.batch_tokens} --shuffle-window {params.shuffle_window} "
+        "--max-steps {params.steps} --batch-tokens {params.batch_tokens} --shuffle-buffer-gib {params.shuffle_buffer} "
         "--eval-every {params.eval_every} --checkpoint-every {params.ckpt_every} "
         "--loss {params.loss} --seed {params.seed} {params.draft} "
         "--context-buckets {params.buckets} --select-by {params.select_by:q} > {log} 2>&1"

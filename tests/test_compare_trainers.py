@@ -193,19 +193,20 @@ def test_refuses_to_run_without_cuda(run, tmp_path, monkeypatch):
     assert not (tmp_path / "w").exists()
 
 
-def test_our_trainer_runs_once_per_shuffle_window(run, tmp_path, capsys):
-    assert args_for(run, tmp_path).ours_shuffle_windows == [1]
-    assert args_for(run, tmp_path, **{"--ours-shuffle-windows": "8,1,8"}).ours_shuffle_windows == [1, 8]
-    for bad in ("0,4", "x"):
+def test_our_trainer_runs_once_per_shuffle_buffer(run, tmp_path, capsys):
+    assert args_for(run, tmp_path).ours_shuffle_buffers == [0]
+    assert args_for(run, tmp_path, **{"--ours-shuffle-buffers": "4,0,4"}).ours_shuffle_buffers == [0, 4]
+    assert [ct.ours_name(g) for g in (0, 4, 0.5)] == ["ours", "ours-buf4", "ours-buf0.5"]
+    for bad in ("-1,4", "x"):
         with pytest.raises(SystemExit):
-            args_for(run, tmp_path, **{"--ours-shuffle-windows": bad})
-    assert "--ours-shuffle-windows" in capsys.readouterr().err
+            args_for(run, tmp_path, **{"--ours-shuffle-buffers": bad})
+    assert "--ours-shuffle-buffers" in capsys.readouterr().err
     row = {"steps": 7, "tokens_per_step": 60.0, "ms_per_step": 40.0, "tokens_per_s": 1500.0, "acceptance_length": 1.5,
            "per_position_acceptance": [0.3, 0.2, None]}
-    results = {"ours": row, "ours-w8": {**row, "acceptance_length": 1.6}, "speculators": row,
+    results = {"ours": row, "ours-buf4": {**row, "acceptance_length": 1.6}, "speculators": row,
                "ratio_ours_over_speculators": {"ms_per_step": 1.0, "tokens_per_s": 1.0, "acceptance_length": 1.0},
-               "ratio_ours-w8_over_speculators": {"ms_per_step": 1.0, "tokens_per_s": 1.0, "acceptance_length": 1.067}}
-    assert ct.trainers(results) == ["ours", "ours-w8", "speculators"]
+               "ratio_ours-buf4_over_speculators": {"ms_per_step": 1.0, "tokens_per_s": 1.0, "acceptance_length": 1.067}}
+    assert ct.trainers(results) == ["ours", "ours-buf4", "speculators"]
     lines = ct.report(results).splitlines()
-    assert [line.split()[0] for line in lines[2:5]] == ["ours", "ours-w8", "speculators"]
-    assert lines[-1] == "ours-w8 / speculators: ms/step 1.0, tokens/s 1.0, offline AL 1.067"
+    assert [line.split()[0] for line in lines[2:5]] == ["ours", "ours-buf4", "speculators"]
+    assert lines[-1] == "ours-buf4 / speculators: ms/step 1.0, tokens/s 1.0, offline AL 1.067"

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from eaglepipe.packed_data import PackedRows
+from eaglepipe.packed_data import PackedRows, shuffle_window
 from eaglepipe.shards import load_manifest, read_shard, write_manifest, write_shard
 
 LAYER_IDS = [1, 3, 5, 6]  # tiny Llama has 6 layers; 6 = final layer before the final norm
@@ -244,6 +244,15 @@ def test_rows_of_a_shuffle_window_read_each_sample_and_hold_that_many_shards(tmp
     again = PackedRows(m, "train", 9, seed=4, shuffle_window=2).stream()
     next(again)
     assert [row_tokens(next(resumed)[1]) for _ in range(5)] == [row_tokens(next(again)[1]) for _ in range(5)]
+
+
+def test_the_shuffle_window_is_the_shards_a_memory_budget_holds(tmp_path):
+    m = random_manifest(tmp_path, [[4, 5, 3], [6, 2, 2], [7, 3], [2, 5]])
+    largest = max(row["bytes"] for row in m["splits"]["train"]["shards"])
+    assert [shuffle_window(m, "train", b) for b in (0, largest - 1, largest, 3 * largest + 1, 100 * largest)] == [
+        1, 1, 1, 3, 4]
+    m["storage_dtype"] = "fp8"  # read back dequantized: twice the bytes
+    assert shuffle_window(m, "train", 3 * largest) == 1 and shuffle_window(m, "train", 4 * largest) == 2
 
 
 def test_a_shuffle_window_below_one_is_refused(tmp_path):

@@ -10,7 +10,8 @@ the evaluation strata; it is a plain list, not a row tensor.
 Shuffling mixes the samples of ``shuffle_window`` consecutive shards of the epoch's shard order
 (1: each shard's own samples, in a shuffled order). A shard holds consecutive records of the data,
 often parts of one conversation, so a wider window gives each row less correlated samples, as a
-global permutation (speculators' sampler) does, at the cost of that many shards held in memory.
+global permutation (speculators' sampler) does, at the cost of that many shards held in memory
+(``shuffle_window()`` sizes it to a memory budget).
 
 Nothing is read at start-up: an epoch's plan (shard order, sample order inside a window, packing)
 is computed lazily from the manifest, a shard's ``offsets`` are read only when the plan reaches
@@ -34,6 +35,13 @@ from .shards import Shard, read_shard, row_categories, shard_paths
 log = logging.getLogger(__name__)
 
 Row = list[tuple[int, int, int]]  # (shard index, sample index in the shard, tokens used)
+
+
+def shuffle_window(manifest: dict, split: str, buffer_bytes: int) -> int:
+    """The shards whose states fit in ``buffer_bytes`` of memory at once (at least 1, at most all)."""
+    rows = [row for _, row in shard_paths(manifest, split)]
+    expand = 2 if manifest.get("storage_dtype") == "fp8" else 1  # fp8 states are read back dequantized
+    return max(1, min(len(rows), buffer_bytes // (max(row["bytes"] for row in rows) * expand)))
 
 
 class PackedRows:

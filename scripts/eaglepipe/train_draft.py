@@ -31,7 +31,7 @@ from .dir_lock import dir_lock
 from .draft_model import ARCHITECTURES, LOSS_IMPLEMENTATION
 from .model_dir import check_model_dir
 from .layers import aux_layer_ids, validate_layer_ids
-from .packed_data import PackedRows
+from .packed_data import PackedRows, shuffle_window
 from .prefetch import prefetch
 from .progress import TokenProgress
 from .runtime import all_reduce, rng_state, set_rng_state, set_threads, setup_distributed
@@ -57,8 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-steps", type=int, default=20)
     p.add_argument("--max-steps", type=int, default=1000)
     p.add_argument("--batch-tokens", type=int, default=8192)
-    p.add_argument("--shuffle-window", type=int, default=1,
-                   help="shards whose samples are shuffled together (packed_data; RAM holds that many shards)")
+    p.add_argument("--shuffle-buffer-gib", type=float, default=4.0,
+                   help="memory for the shards whose samples are shuffled together (packed_data.shuffle_window); "
+                        "0 = each shard's samples alone")
     p.add_argument("--eval-every", type=int, default=200)
     p.add_argument("--checkpoint-every", type=int, default=200)
     p.add_argument("--loss", default="kl_div", help="a speculators loss name (kl_div, ce, ...) or a JSON mix")
@@ -73,13 +74,15 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv=None) -> argparse.Namespace:
     p = build_parser()
     args = p.parse_args(argv)
-    for name in ("ttt_steps", "max_steps", "batch_tokens", "shuffle_window", "eval_every", "checkpoint_every"):
+    for name in ("ttt_steps", "max_steps", "batch_tokens", "eval_every", "checkpoint_every"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
     if args.draft_mlp_width is not None and args.draft_mlp_width < 1:
         p.error(f"--draft-mlp-width {args.draft_mlp_width}: must be >= 1")
     if args.warmup_steps < 0 or args.lr <= 0 or args.weight_decay < 0 or args.ttt_step_loss_decay <= 0:
         p.error("--warmup-steps and --weight-decay must be >= 0, --lr and --ttt-step-loss-decay > 0")
+    if args.shuffle_buffer_gib < 0:
+        p.error(f"--shuffle-buffer-gib {args.shuffle_buffer_gib}: must be >= 0")
     return args
 
 
@@ -218,9 +221,12 @@ def train(args, stop_after: int | None = None) -> dict | None:
     if not resume:
         run_eval(0)
 
+    window = shuffle_window(manifest, "train", int(args.shuffle_buffer_gib * 2**30))
+    log.info("rows shuffle the samples of %d shard(s) at a time (--shuffle-buffer-gib %g)", window,
+             args.shuffle_buffer_gib)
     # the next rows are packed by a thread while this step runs (on a GPU that was idle time)
     stream = prefetch(PackedRows(manifest, "train", args.batch_tokens, seed=args.seed, shuffle=True, rank=rank,
-                                 world_size=world, shuffle_window=args.shuffle_window,
+                                 world_size=world, shuffle_window=window,
                                  **training_row_options(device, args.batch_tokens)).stream(*position))
     log_every = max(1, args.max_steps // 200)
     keys = ("hidden_states", "input_ids", "document_ids", "loss_mask", "position_ids", "verifier_last_hidden_states")
