@@ -132,7 +132,7 @@ class Trainer:
     def rows(self, split: str = "train", **kw) -> PackedRows:
         shuffle = split == "train"
         return PackedRows(self.manifest, split, self.targs.batch_tokens, seed=self.targs.seed, shuffle=shuffle,
-                          shuffle_window=shuffle_window(self.manifest, split, int(self.targs.shuffle_buffer_gib * 2**30)),
+                          shuffle_window=shuffle_window(self.manifest, split, self.targs.shuffle_buffer_gib),
                           **{**self.row_options, **kw})
 
     def autocast(self):

@@ -249,10 +249,10 @@ def test_rows_of_a_shuffle_window_read_each_sample_and_hold_that_many_shards(tmp
 def test_the_shuffle_window_is_the_shards_a_memory_budget_holds(tmp_path):
     m = random_manifest(tmp_path, [[4, 5, 3], [6, 2, 2], [7, 3], [2, 5]])
     largest = max(row["bytes"] for row in m["splits"]["train"]["shards"])
-    assert [shuffle_window(m, "train", b) for b in (0, largest - 1, largest, 3 * largest + 1, 100 * largest)] == [
-        1, 1, 1, 3, 4]
+    gib = [b / 2**30 for b in (0, largest - 1, largest, 3 * largest + 1, 100 * largest)]
+    assert [shuffle_window(m, "train", g) for g in gib] == [1, 1, 1, 3, 4]
     m["storage_dtype"] = "fp8"  # read back dequantized: twice the bytes
-    assert shuffle_window(m, "train", 3 * largest) == 1 and shuffle_window(m, "train", 4 * largest) == 2
+    assert shuffle_window(m, "train", 3 * largest / 2**30) == 1 and shuffle_window(m, "train", 4 * largest / 2**30) == 2
 
 
 def test_a_shuffle_window_below_one_is_refused(tmp_path):

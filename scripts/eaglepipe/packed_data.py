@@ -37,11 +37,11 @@ log = logging.getLogger(__name__)
 Row = list[tuple[int, int, int]]  # (shard index, sample index in the shard, tokens used)
 
 
-def shuffle_window(manifest: dict, split: str, buffer_bytes: int) -> int:
-    """The shards whose states fit in ``buffer_bytes`` of memory at once (at least 1, at most all)."""
+def shuffle_window(manifest: dict, split: str, buffer_gib: float) -> int:
+    """The shards whose states fit in ``buffer_gib`` of memory at once (at least 1, at most all)."""
     rows = [row for _, row in shard_paths(manifest, split)]
     expand = 2 if manifest.get("storage_dtype") == "fp8" else 1  # fp8 states are read back dequantized
-    return max(1, min(len(rows), buffer_bytes // (max(row["bytes"] for row in rows) * expand)))
+    return max(1, min(len(rows), int(buffer_gib * 2**30) // (max(row["bytes"] for row in rows) * expand)))
 
 
 class PackedRows:

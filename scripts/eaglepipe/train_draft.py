@@ -221,7 +221,7 @@ def train(args, stop_after: int | None = None) -> dict | None:
     if not resume:
         run_eval(0)
 
-    window = shuffle_window(manifest, "train", int(args.shuffle_buffer_gib * 2**30))
+    window = shuffle_window(manifest, "train", args.shuffle_buffer_gib)
     log.info("rows shuffle the samples of %d shard(s) at a time (--shuffle-buffer-gib %g)", window,
              args.shuffle_buffer_gib)
     # the next rows are packed by a thread while this step runs (on a GPU that was idle time)
