@@ -23,8 +23,8 @@
 #       a torch.profiler trace; PROFILE=0 skips it), then compare_trainers.py (ends by DEADLINE_S).
 #       Nothing else may use the GPU meanwhile: these are timings.
 #   bash benchmarks/gpu_compare_trainers.sh shards-of RUN   the shards and vocab mapping only (no training)
-#       of results/RUN under snakemake: the single-GPU preset, its first 4,000 ShareGPT conversations,
-#       rows cut at 1,024 tokens (gpu_long_context.sh's long1k data), ~3.5 min. With run-of, the whole
+#       of results/RUN under snakemake: gpu_long_context.sh's long1k data (the single-GPU preset, its
+#       first 4,000 ShareGPT conversations, rows cut at 1,024 tokens), ~3.5 min. With run-of, the whole
 #       comparison in one detached chain after the wheel parts are staged:
 #         RUNS=" " THEN='bash benchmarks/gpu_compare_trainers.sh shards-of cmp && DEADLINE_S=1500 \
 #           bash benchmarks/gpu_compare_trainers.sh run-of cmp' bash benchmarks/gpu_regenerate_table.sh start
@@ -157,15 +157,11 @@ transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pr
   ;;
 shards-of)
   run=${2:?usage: shards-of RUN}
-  step shards python3 -m snakemake --cores all --configfile config/presets/smollm2-h200.yaml --config "run_name=$run" \
-    'regenerate={"enabled": false}' 'evaluate={"prompts": null}' 'benchmark_serving={"enabled": false}' \
-    'data={"max_samples": 4000, "max_length": 1024}' 'vllm={"kv_cache_gib": 8}' \
-    'extract={"enforce_eager": true, "gpu_memory_utilization": 0.3, "max_model_len": 2048}' \
-    -- "results/$run/hidden_states/manifest.json" "results/$run/data/vocab_mapping.safetensors"
+  step shards bash benchmarks/gpu_long_context.sh shards "$run"
   finish 0
   ;;
 run-of)
-  run=results/${2:?usage: run-of RUN (a finished pipeline run under results/)}
+  run=results/${2:?usage: run-of RUN (a pipeline run under results/ with its shards and vocab mapping)}
   : > "$W/summary.txt"
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$W/summary.txt"
   model=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["target"]["model"])' \

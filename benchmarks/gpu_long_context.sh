@@ -20,6 +20,8 @@
 #       gpu_regenerate_table.sh, whose chain builds the target first)
 #   bash benchmarks/gpu_long_context.sh longset DEVICE   only the long set and the four evaluations
 #       (after the runs; DEVICE cpu checks the steps on a laptop with LONG_LIMIT=3)
+#   bash benchmarks/gpu_long_context.sh shards RUN   only the shards and vocab mapping of long1k's data
+#       (rows cut at 1,024) as results/RUN, no training (gpu_compare_trainers.sh shards-of)
 #   bash benchmarks/gpu_long_context.sh status [WAIT_S]   waits, prints the table, copies it to $OUT
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,10 +39,11 @@ COMMON=(
   'benchmark_serving={"enabled": false}'
 )
 
-run() {  # run NAME MAX_LENGTH MAX_MODEL_LEN
-  python3 -m snakemake --cores 6 --nolock --configfile "$PRESET" --config "run_name=$1" "${COMMON[@]}" \
-    "data={\"max_samples\": 4000, \"max_length\": $2}" "extract={\"max_model_len\": $3}" \
-    -- "results/$1/eval/offline.json" > "$W/$1.log" 2>&1
+run() {  # run NAME MAX_LENGTH MAX_MODEL_LEN [TARGET...]: the pipeline up to TARGET (default its evaluation)
+  local name=$1 max_length=$2 max_model_len=$3; shift 3
+  python3 -m snakemake --cores 6 --nolock --configfile "$PRESET" --config "run_name=$name" "${COMMON[@]}" \
+    "data={\"max_samples\": 4000, \"max_length\": $max_length}" "extract={\"max_model_len\": $max_model_len}" \
+    -- "${@:-results/$name/eval/offline.json}" > "$W/$name.log" 2>&1
 }
 
 chain() {
@@ -107,6 +110,11 @@ case "${1:-}" in
     ;;
   _chain) chain ;;
   longset) longset "${2:-cuda}" ;;
+  shards)
+    name=${2:?usage: shards RUN}
+    run "$name" 1024 2048 "results/$name/hidden_states/manifest.json" "results/$name/data/vocab_mapping.safetensors" \
+      || { tail -n 30 "$W/$name.log"; exit 1; }
+    ;;
   status)
     t0=$SECONDS
     while [ ! -f "$W/chain.rc" ] && [ $((SECONDS - t0)) -lt "${2:-0}" ]; do sleep 10; done
