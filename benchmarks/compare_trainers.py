@@ -3,7 +3,7 @@
 (``speculators train``), same hidden states, same steps, same tokens per step, same draft.
 
   python benchmarks/compare_trainers.py --manifest M --vocab V --model T --work DIR \\
-      --steps S --batch-tokens B --lr LR --warmup-steps W [--ttt-steps 3] [--k 3] --json OUT
+      --steps S --batch-tokens B --lr LR[,LR...] --warmup-steps W [--ttt-steps 3] [--k 3] --json OUT
 
 Stages (each skipped when its result file in --work exists, so a killed run resumes):
  1. ours: ``python -m eaglepipe.train_draft`` for S steps, rows of <= B tokens;
@@ -16,6 +16,10 @@ Stages (each skipped when its result file in --work exists, so a killed run resu
     kl_div, TTT), AdamW, cosine schedule with the same warm-up, total_seq_len = B, S steps;
  4. both final drafts through OUR offline estimator (``python -m eaglepipe.evaluate``) on the
     manifest's eval split.
+With several learning rates (--lr 0.001,0.0015) both trainers run once per rate, interleaved
+(ours, speculators, ours, ...) so a drift of the machine's speed hits both, and the table adds each
+trainer at its best rate of the grid: its best offline AL and its median ms/step over all its runs
+(the learning rate does not change the work of a step, so every run is one more timing sample).
 Prints a table and writes --json. What differs between the trainers, by design of each:
  - packing: both pack shuffled samples greedily into rows of <= B real tokens (the same mean fill:
    7,736 of 8,192 on the issue-5 data), each in its own order; speculators pads every row to B and
@@ -124,13 +128,14 @@ def speculators_epochs(train_lengths: list[int], batch_tokens: int, steps: int, 
     return len(per_epoch), per_epoch
 
 
-def speculators_argv(args, manifest: dict, data: Path, conv: dict, epochs: int) -> list[str]:
+def speculators_argv(args, manifest: dict, data: Path, conv: dict, epochs: int, lr: float,
+                     name: str = "speculators") -> list[str]:
     """``speculators train`` flags for the draft our trainer builds (draft_model.NORM_FLAGS included)."""
     from eaglepipe.draft_model import NORM_FLAGS, NUM_DRAFT_LAYERS
     from eaglepipe.layers import aux_layer_ids
 
     aux = [str(int(i)) for i in aux_layer_ids(manifest["layer_ids"])]
-    work = Path(args.work) / "speculators"
+    work = Path(args.work) / name
     argv = [
         "--verifier-name-or-path", str(args.model), "--speculator-type", "eagle3",
         "--data-path", str(data), "--hidden-states-backend", "file", "--on-missing", "raise",
@@ -143,7 +148,7 @@ def speculators_argv(args, manifest: dict, data: Path, conv: dict, epochs: int) 
         "--hidden-states-dtype", args.spec_hidden_states_dtype,
         "--num-workers", str(args.spec_workers), "--prefetch-factor", "4",
         "--loss-fn", "kl_div", "--loss-implementation", "eager", "--ttt-steps", str(args.ttt_steps), "--ttt-step-loss-decay", "1.0",
-        "--optimizer", "adamw", "--lr", repr(args.lr), "--weight-decay", "0.0",
+        "--optimizer", "adamw", "--lr", repr(lr), "--weight-decay", "0.0",
         "--scheduler-type", "cosine", "--scheduler-warmup-steps", str(args.warmup_steps),
         "--epochs", str(epochs), "--max-steps", str(args.steps), "--checkpoint-freq", "1", "--log-freq", "1",
         "--save-path", str(work / "checkpoints"), "--log-dir", str(work / "logs"), "--logger", "",
@@ -231,53 +236,71 @@ def run_logged(cmd: list[str], log: Path, env: dict | None = None) -> float:
     return wall
 
 
-def stage(path: Path, fn) -> dict:
-    """The stage's saved result, or run it and save it."""
+def stage(path: Path, fn, made_from: dict) -> dict:
+    """The stage's saved result, or run it and save it. ``made_from``: the settings the result
+    depends on, saved with it; a result made from other settings is refused, never reused."""
     if path.is_file():
+        result = read_json_object(path, "stage result", SystemExit)
+        if result.get("made_from") != made_from:
+            raise SystemExit(f"{path}: made from other settings ({result.get('made_from')}, now {made_from}); "
+                             f"use a fresh --work directory")
         print(f"reusing {path}", flush=True)
-        return read_json_object(path, "stage result", SystemExit)
-    result = fn()
+        return result
+    result = {**fn(), "made_from": made_from}
     write_json(path, result)
     return result
+
+
+def made_from(args, **run) -> dict:
+    """The settings a training run's result depends on (the run's own learning rate etc. in ``run``)."""
+    return {"manifest": str(args.manifest), "vocab": str(args.vocab), "model": str(args.model), "steps": args.steps,
+            "batch_tokens": args.batch_tokens, "warmup_steps": args.warmup_steps, "ttt_steps": args.ttt_steps,
+            "seed": args.seed, **run}
 
 
 def ours_name(buffer_gib: float) -> str:
     return "ours" if buffer_gib == 0 else f"ours-buf{buffer_gib:g}"
 
 
-def train_ours(args, work: Path, buffer_gib: float) -> dict:
-    out = work / ours_name(buffer_gib)
+def run_name(trainer: str, lr: float, lrs: list[float]) -> str:
+    """The trainer's name, with its learning rate when the grid has several (ours-buf4@lr0.0015)."""
+    return trainer if len(lrs) == 1 else f"{trainer}@lr{lr:g}"
+
+
+def train_ours(args, work: Path, buffer_gib: float, lr: float, name: str) -> dict:
+    out = work / name
     if out.exists():  # a killed run: start over, or the timing would mix two processes
         shutil.rmtree(out)
     cmd = [sys.executable, "-m", "eaglepipe.train_draft", "--manifest", str(args.manifest), "--vocab", str(args.vocab),
            "--model", str(args.model), "--out-dir", str(out), "--ttt-steps", str(args.ttt_steps),
-           "--ttt-step-loss-decay", "1.0", "--lr", repr(args.lr), "--weight-decay", "0.0",
+           "--ttt-step-loss-decay", "1.0", "--lr", repr(lr), "--weight-decay", "0.0",
            "--warmup-steps", str(args.warmup_steps), "--max-steps", str(args.steps),
            "--batch-tokens", str(args.batch_tokens), "--shuffle-buffer-gib", repr(buffer_gib), "--eval-every", str(args.steps),
            "--checkpoint-every", str(args.steps), "--loss", "kl_div", "--seed", str(args.seed)]
-    wall = run_logged(cmd, work / f"{ours_name(buffer_gib)}_train.log", {"PYTHONPATH": pythonpath()})
+    wall = run_logged(cmd, work / f"{name}_train.log", {"PYTHONPATH": pythonpath()})
     summary = read_json_object(out / "summary.json", "training summary", SystemExit)
-    return {"wall_s": round(wall, 1), "draft": str(out / summary["last"]),
+    return {"wall_s": round(wall, 1), "lr": lr, "draft": str(out / summary["last"]),
             **ours_timing(out / "metrics.jsonl", args.warmup_report)}
 
 
-def train_speculators(args, work: Path, manifest: dict) -> dict:
+def train_speculators(args, work: Path, manifest: dict, lr: float, name: str) -> dict:
     data = work / "speculators_data"
-    conv = stage(work / "convert.json", lambda: timed(lambda: convert_to_speculators(manifest, data, args.vocab)))
+    conv = stage(work / "convert.json", lambda: timed(lambda: convert_to_speculators(manifest, data, args.vocab)),
+                 {"manifest": str(args.manifest), "vocab": str(args.vocab)})
     epochs, per_epoch = speculators_epochs(conv["train_lengths"], args.batch_tokens, args.steps, args.seed)
-    out = work / "speculators"
+    out = work / name
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
     metrics = out / "metrics.jsonl"
-    argv = speculators_argv(args, manifest, data, conv, epochs)
+    argv = speculators_argv(args, manifest, data, conv, epochs, lr, name)
     (out / "argv.json").write_text(json.dumps(argv))
-    wall = run_logged([sys.executable, str(Path(__file__).resolve()), SPEC_CHILD, *argv], work / "speculators_train.log",
+    wall = run_logged([sys.executable, str(Path(__file__).resolve()), SPEC_CHILD, *argv], work / f"{name}_train.log",
                       {"PYTHONPATH": pythonpath(), "SPEC_METRICS": str(metrics)})
     ckpts = sorted((p for p in (out / "checkpoints").iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
     if not ckpts:
         raise SystemExit(f"speculators wrote no checkpoint under {out / 'checkpoints'}")
-    return {"wall_s": round(wall, 1), "draft": str(ckpts[-1]), "epochs": epochs, "batches_per_epoch": per_epoch,
+    return {"wall_s": round(wall, 1), "lr": lr, "draft": str(ckpts[-1]), "epochs": epochs, "batches_per_epoch": per_epoch,
             "convert_s": conv["seconds"], **speculators_timing(metrics, args.warmup_report)}
 
 
@@ -304,24 +327,62 @@ def ratio(a, b):
     return round(a / b, 3) if a is not None and b else None
 
 
+def ratios(a: dict, b: dict) -> dict:
+    return {k: ratio(a[k], b[k]) for k in ("ms_per_step", "tokens_per_s", "acceptance_length")}
+
+
+def grid(runs: dict) -> dict:
+    """Each trainer at its best learning rate: its best offline AL (and that rate) and its median
+    ms/step over all its runs; then each of our trainers over speculators on those two figures."""
+    by_trainer: dict[str, list[dict]] = {}
+    for name, r in runs.items():
+        by_trainer.setdefault(name.split("@")[0], []).append(r)
+    best = {}
+    for trainer, rs in by_trainer.items():
+        top = max(rs, key=lambda r: r["acceptance_length"] or 0)
+        ms = [r["ms_per_step"] for r in rs if r["ms_per_step"]]
+        best[trainer] = {"lr": top["lr"], "acceptance_length": top["acceptance_length"], "runs": len(rs),
+                         "ms_per_step_median": round(statistics.median(ms), 3) if ms else None,
+                         "ms_per_step_range": [min(ms), max(ms)] if ms else None}
+    spec = best["speculators"]
+    return {"best": best, "over_speculators": {
+        t: {"acceptance_length": ratio(b["acceptance_length"], spec["acceptance_length"]),
+            "ms_per_step": ratio(b["ms_per_step_median"], spec["ms_per_step_median"])}
+        for t, b in best.items() if t != "speculators"}}
+
+
 def report(results: dict) -> str:
-    head = f"{'trainer':<12} {'steps':>6} {'tok/step':>9} {'ms/step':>8} {'tok/s':>9} {'AL':>7}  per-position acceptance"
+    runs = results["runs"]
+    width = max(12, *map(len, runs))
+    head = f"{'trainer':<{width}} {'steps':>6} {'tok/step':>9} {'ms/step':>8} {'tok/s':>9} {'AL':>7}  per-position acceptance"
     lines = [head, "-" * len(head)]
-    for name in trainers(results):
-        r = results[name]
+    for name, r in runs.items():
         pos = ", ".join(f"{p:.3f}" if p is not None else "-" for p in r["per_position_acceptance"])
-        lines.append(f"{name:<12} {r['steps']:>6} {r['tokens_per_step'] or 0:>9.0f} {r['ms_per_step'] or 0:>8.1f} "
+        lines.append(f"{name:<{width}} {r['steps']:>6} {r['tokens_per_step'] or 0:>9.0f} {r['ms_per_step'] or 0:>8.1f} "
                      f"{r['tokens_per_s'] or 0:>9.0f} {r['acceptance_length'] or 0:>7.3f}  [{pos}]")
-    for name in trainers(results)[:-1]:
-        q = results[f"ratio_{name}_over_speculators"]
-        lines.append(f"{name} / speculators: ms/step {q['ms_per_step']}, tokens/s {q['tokens_per_s']}, "
-                     f"offline AL {q['acceptance_length']}")
+    for pair, q in results["ratios"].items():
+        lines.append(f"{pair}: ms/step {q['ms_per_step']}, tokens/s {q['tokens_per_s']}, offline AL {q['acceptance_length']}")
+    if len(results["settings"]["lr"]) > 1:
+        lines.append("each trainer at its best learning rate of the grid (ms/step: median over all its runs):")
+        for trainer, b in results["grid"]["best"].items():
+            lo, hi = b["ms_per_step_range"] or (0, 0)
+            lines.append(f"  {trainer:<{width}} lr {b['lr']:g}: AL {b['acceptance_length']:.3f}, "
+                         f"ms/step {b['ms_per_step_median']} ({lo}-{hi}, {b['runs']} runs)")
+        for trainer, q in results["grid"]["over_speculators"].items():
+            lines.append(f"  {trainer} / speculators, each at its best: offline AL {q['acceptance_length']}, "
+                         f"ms/step {q['ms_per_step']}")
     return "\n".join(lines)
 
 
-def trainers(results: dict) -> list[str]:
-    """Our runs (one per shuffle buffer), then speculators'."""
-    return [k for k in results if k.startswith("ours")] + ["speculators"]
+def parse_list(p: argparse.ArgumentParser, flag: str, text: str, minimum: float, strict: bool) -> list[float]:
+    """A comma-separated list of numbers, sorted, duplicates dropped; each > (strict) or >= minimum."""
+    try:
+        values = sorted({float(v) for v in text.split(",")})
+    except ValueError:
+        p.error(f"{flag} {text}: comma-separated numbers, e.g. {'0.001,0.0015' if strict else '0,4'}")
+    if values[0] < minimum or (strict and values[0] == minimum):
+        p.error(f"{flag} {text}: each must be {'>' if strict else '>='} {minimum:g}")
+    return values
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -332,7 +393,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--work", required=True, type=Path, help="working directory (both runs, converted data)")
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--batch-tokens", type=int, default=8192)
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", default="0.001",
+                   help="learning rate, or a comma-separated grid: both trainers run once per rate")
     p.add_argument("--warmup-steps", type=int, default=50)
     p.add_argument("--ttt-steps", type=int, default=3)
     p.add_argument("--k", type=int, default=3, help="draft tokens per chain in the offline estimate")
@@ -348,12 +410,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("steps", "batch_tokens", "ttt_steps", "k"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
-    try:
-        args.ours_shuffle_buffers = sorted({float(g) for g in args.ours_shuffle_buffers.split(",")})
-    except ValueError:
-        p.error(f"--ours-shuffle-buffers {args.ours_shuffle_buffers}: comma-separated GiB, e.g. 0,4")
-    if args.ours_shuffle_buffers[0] < 0:
-        p.error(f"--ours-shuffle-buffers {args.ours_shuffle_buffers}: each must be >= 0")
+    args.lr = parse_list(p, "--lr", args.lr, 0, strict=True)
+    args.ours_shuffle_buffers = parse_list(p, "--ours-shuffle-buffers", args.ours_shuffle_buffers, 0, strict=False)
     return args
 
 
@@ -369,27 +427,34 @@ def main(argv=None) -> None:
         raise SystemExit(str(e)) from e
     work = args.work
     work.mkdir(parents=True, exist_ok=True)
-    results = {ours_name(g): stage(work / f"{ours_name(g)}.json", lambda g=g: train_ours(args, work, g))
-               for g in args.ours_shuffle_buffers}
-    results["speculators"] = stage(work / "speculators.json", lambda: train_speculators(args, work, manifest))
-    for name, r in results.items():
-        ev = stage(work / f"eval_{name}_summary.json", lambda r=r, name=name: evaluate(args, work, name, r["draft"]))
+    runs, pairs = {}, []
+    for lr in args.lr:  # interleaved, so a drift of the machine's speed hits both trainers
+        spec = run_name("speculators", lr, args.lr)
+        for g in args.ours_shuffle_buffers:
+            name = run_name(ours_name(g), lr, args.lr)
+            runs[name] = stage(work / f"{name}.json", lambda g=g, lr=lr, name=name: train_ours(args, work, g, lr, name),
+                               made_from(args, lr=lr, shuffle_buffer_gib=g))
+            pairs.append((name, spec))
+        runs[spec] = stage(work / f"{spec}.json", lambda lr=lr, spec=spec: train_speculators(args, work, manifest, lr, spec),
+                           made_from(args, lr=lr, spec_workers=args.spec_workers,
+                                     spec_hidden_states_dtype=args.spec_hidden_states_dtype))
+    for name, r in runs.items():
+        ev = stage(work / f"eval_{name}_summary.json", lambda r=r, name=name: evaluate(args, work, name, r["draft"]),
+                   {"draft": r["draft"], "made_from": r["made_from"], "k": args.k})
         r.update(acceptance_length=ev["acceptance_length"], per_position_acceptance=ev["per_position_acceptance"],
                  eval_anchors=ev["anchors"], eval_tokens=ev["tokens_evaluated"],
                  tokens_per_s=round(1000.0 * r["tokens_per_step"] / r["ms_per_step"], 1)
                  if r["tokens_per_step"] and r["ms_per_step"] else None)
         if r["steps"] != args.steps:
             print(f"warning: {name} ran {r['steps']} steps, asked {args.steps}", file=sys.stderr)
-    for name in trainers(results)[:-1]:
-        results[f"ratio_{name}_over_speculators"] = {
-            k: ratio(results[name][k], results["speculators"][k]) for k in ("ms_per_step", "tokens_per_s", "acceptance_length")}
-    results["settings"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    results["settings"].update(layer_ids=manifest["layer_ids"], gpu=torch.cuda.get_device_name(0),
-                               torch=torch.__version__)
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    settings.update(layer_ids=manifest["layer_ids"], gpu=torch.cuda.get_device_name(0), torch=torch.__version__)
+    results = {"runs": runs, "ratios": {f"{a} / {b}": ratios(runs[a], runs[b]) for a, b in pairs},
+               "grid": grid(runs), "settings": settings}
     write_json(args.json, results)
     print(report(results))
-    for name in trainers(results):
-        print(f"FINAL_OFFLINE_AL {name} {results[name]['acceptance_length']} (k={args.k})")
+    for name, r in runs.items():
+        print(f"FINAL_OFFLINE_AL {name} {r['acceptance_length']} (k={args.k})")
 
 
 if __name__ == "__main__":

