@@ -54,6 +54,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 
 from eaglepipe.atomic import read_json_object, write_json  # noqa: E402
+from eaglepipe.packed_data import ROW_LOADERS  # noqa: E402
 from eaglepipe.shards import load_manifest, read_shard, shard_paths  # noqa: E402
 
 SPEC_CHILD = "--speculators-child"  # internal: run speculators' trainer in this (child) process
@@ -258,8 +259,8 @@ def made_from(args, **run) -> dict:
             "seed": args.seed, **run}
 
 
-def ours_name(buffer_gib: float) -> str:
-    return "ours" if buffer_gib == 0 else f"ours-buf{buffer_gib:g}"
+def ours_name(buffer_gib: float, row_loader: str = "thread") -> str:
+    return ("ours" if buffer_gib == 0 else f"ours-buf{buffer_gib:g}") + ("" if row_loader == "thread" else f"-{row_loader}")
 
 
 def run_name(trainer: str, lr: float, lrs: list[float]) -> str:
@@ -267,7 +268,7 @@ def run_name(trainer: str, lr: float, lrs: list[float]) -> str:
     return trainer if len(lrs) == 1 else f"{trainer}@lr{lr:g}"
 
 
-def train_ours(args, work: Path, buffer_gib: float, lr: float, name: str) -> dict:
+def train_ours(args, work: Path, buffer_gib: float, row_loader: str, lr: float, name: str) -> dict:
     out = work / name
     if out.exists():  # a killed run: start over, or the timing would mix two processes
         shutil.rmtree(out)
@@ -275,7 +276,8 @@ def train_ours(args, work: Path, buffer_gib: float, lr: float, name: str) -> dic
            "--model", str(args.model), "--out-dir", str(out), "--ttt-steps", str(args.ttt_steps),
            "--ttt-step-loss-decay", "1.0", "--lr", repr(lr), "--weight-decay", "0.0",
            "--warmup-steps", str(args.warmup_steps), "--max-steps", str(args.steps),
-           "--batch-tokens", str(args.batch_tokens), "--shuffle-buffer-gib", repr(buffer_gib), "--eval-every", str(args.steps),
+           "--batch-tokens", str(args.batch_tokens), "--shuffle-buffer-gib", repr(buffer_gib), "--row-loader", row_loader,
+           "--eval-every", str(args.steps),
            "--checkpoint-every", str(args.steps), "--loss", "kl_div", "--seed", str(args.seed)]
     wall = run_logged(cmd, work / f"{name}_train.log", {"PYTHONPATH": pythonpath()})
     summary = read_json_object(out / "summary.json", "training summary", SystemExit)
@@ -405,6 +407,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ours-shuffle-buffers", default="0",
                    help="our trainer once per train.shuffle_buffer_gib, e.g. 0,4 (rows ours: each shard alone, "
                         "as speculators' own shuffle is not; ours-buf4)")
+    p.add_argument("--ours-row-loaders", default="thread",
+                   help="our trainer once per train_draft --row-loader, e.g. thread,process (rows ours-buf4, "
+                        "ours-buf4-process)")
     p.add_argument("--json", required=True, type=Path)
     args = p.parse_args(argv)
     for name in ("steps", "batch_tokens", "ttt_steps", "k"):
@@ -412,6 +417,9 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
     args.lr = parse_list(p, "--lr", args.lr, 0, strict=True)
     args.ours_shuffle_buffers = parse_list(p, "--ours-shuffle-buffers", args.ours_shuffle_buffers, 0, strict=False)
+    args.ours_row_loaders = list(dict.fromkeys(args.ours_row_loaders.split(",")))
+    if unknown := [r for r in args.ours_row_loaders if r not in ROW_LOADERS]:
+        p.error(f"--ours-row-loaders {','.join(unknown)}: each one of {', '.join(ROW_LOADERS)}")
     return args
 
 
@@ -431,10 +439,12 @@ def main(argv=None) -> None:
     for lr in args.lr:  # interleaved, so a drift of the machine's speed hits both trainers
         spec = run_name("speculators", lr, args.lr)
         for g in args.ours_shuffle_buffers:
-            name = run_name(ours_name(g), lr, args.lr)
-            runs[name] = stage(work / f"{name}.json", lambda g=g, lr=lr, name=name: train_ours(args, work, g, lr, name),
-                               made_from(args, lr=lr, shuffle_buffer_gib=g))
-            pairs.append((name, spec))
+            for loader in args.ours_row_loaders:
+                name = run_name(ours_name(g, loader), lr, args.lr)
+                runs[name] = stage(work / f"{name}.json",
+                                   lambda g=g, loader=loader, lr=lr, name=name: train_ours(args, work, g, loader, lr, name),
+                                   made_from(args, lr=lr, shuffle_buffer_gib=g, row_loader=loader))
+                pairs.append((name, spec))
         runs[spec] = stage(work / f"{spec}.json", lambda lr=lr, spec=spec: train_speculators(args, work, manifest, lr, spec),
                            made_from(args, lr=lr, spec_workers=args.spec_workers,
                                      spec_hidden_states_dtype=args.spec_hidden_states_dtype))

@@ -34,7 +34,8 @@
 # --too-long truncate --eval-fraction 0.03 --seed 0`, then gzip of the two JSONL files.
 # Settings below: env STEPS, BATCH_TOKENS, LR (one rate, or a comma-separated grid that both trainers
 # run, interleaved: LR=0.001,0.0015,0.002), WARMUP, DRAFT_VOCAB, EXTRACT_BATCH, MAX_SAMPLES (per
-# split, default all), DEADLINE_S (compare ends by then, default 570), OURS_BUFFERS (default 0,4).
+# split, default all), DEADLINE_S (compare ends by then, default 570), OURS_BUFFERS (default 0,4),
+# ROW_LOADERS (train_draft --row-loader of our runs, default thread; thread,process runs both).
 # Results in $OUT: compare.json (compare_trainers --json), summary.txt, logs.tar.gz.
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -46,6 +47,7 @@ export PYTHONPATH="/tmp/site:/tmp/pkg:$REPO/scripts" PYTHONUNBUFFERED=1 HF_HUB_O
 STEPS=${STEPS:-1000} BATCH_TOKENS=${BATCH_TOKENS:-8192} LR=${LR:-0.001} WARMUP=${WARMUP:-50}
 DRAFT_VOCAB=${DRAFT_VOCAB:-16384} EXTRACT_BATCH=${EXTRACT_BATCH:-64}
 OURS_BUFFERS=${OURS_BUFFERS:-0,4}   # our trainer once per train.shuffle_buffer_gib (rows ours, ours-buf4)
+ROW_LOADERS=${ROW_LOADERS:-thread}  # ... and per row loader (rows ours-buf4, ours-buf4-process)
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf   # build_target.py RECIPES["smollm2-gguf"]
 
 step() {  # step NAME cmd...: run, log to $W/NAME.log, report rc and seconds, stop on failure
@@ -96,7 +98,8 @@ pipeline() {  # data, extraction, vocab mapping, comparison on the target in $W/
     --token-freq .gpu/data/token_freq.safetensors --draft-vocab-size "$DRAFT_VOCAB" --out "$W/vocab.safetensors"
   tail -n 1 "$W/vocab.log" | tee -a "$W/summary.txt"
   step compare compare "$W/work" "$W/hs/manifest.json" "$W/vocab.safetensors" "$W/target" "$W/compare.json" \
-    "$STEPS" "$BATCH_TOKENS" --lr "$LR" --warmup-steps "$WARMUP" --ours-shuffle-buffers "$OURS_BUFFERS"
+    "$STEPS" "$BATCH_TOKENS" --lr "$LR" --warmup-steps "$WARMUP" --ours-shuffle-buffers "$OURS_BUFFERS" \
+    --ours-row-loaders "$ROW_LOADERS"
   awk '/^trainer/{on=1} /^FINAL_OFFLINE_AL/{on=0} on' "$W/compare.log" | tee -a "$W/summary.txt"
   grep "^FINAL_OFFLINE_AL" "$W/compare.log" | tee -a "$W/summary.txt"
 }
@@ -177,7 +180,8 @@ run-of)
     cp "$W/profile_trainer.json" "$O/" 2>/dev/null  # now: the comparison below may be cut at the call's limit
   fi
   step compare compare "$W/work" "$run/hidden_states/manifest.json" "$run/data/vocab_mapping.safetensors" "$model" \
-    "$W/compare.json" "$STEPS" "$BATCH_TOKENS" --lr "$LR" --warmup-steps "$WARMUP" --ours-shuffle-buffers "$OURS_BUFFERS"
+    "$W/compare.json" "$STEPS" "$BATCH_TOKENS" --lr "$LR" --warmup-steps "$WARMUP" --ours-shuffle-buffers "$OURS_BUFFERS" \
+    --ours-row-loaders "$ROW_LOADERS"
   awk '/^trainer/{on=1} /^FINAL_OFFLINE_AL/{on=0} on' "$W/compare.log" | tee -a "$W/summary.txt"
   grep "^FINAL_OFFLINE_AL" "$W/compare.log" | tee -a "$W/summary.txt"
   finish 0

@@ -12,7 +12,8 @@ Order: --warmup steps (the compile of the forward, flex attention included, happ
 step's ms is reported), then the same --steps rows (data position (0, warmup)) twice: unprofiled
 (one synchronisation at each end) and profiled (a synchronisation and a clock read at every
 phase boundary, which costs a little; both totals are reported). Phases of a step:
-  next_row      waiting for the next packed row from the prefetch thread (host)
+  next_row      waiting for the next packed row, packed ahead as train_draft's (--row-loader: a thread
+                by default, or a worker process) (host)
   to_device     the row's tensors to the device (bf16 rows in page-locked memory on GPUs, as train_draft's)
   forward_loss  the draft's TTT forward with its loss (speculators computes the loss inside the
                 forward, compiled with it on GPUs; its share is estimated separately below)
@@ -20,7 +21,7 @@ phase boundary, which costs a little; both totals are reported). Phases of a ste
   optimizer     grad clipping, AdamW step, scheduler step
   stats         the per-step loss/accuracy stack and its read back to the host (train_draft's
                 int(tokens) / float(loss), which synchronise every step)
-Beside the step: row packing alone (PackedRows without the prefetch thread, host ms per row),
+Beside the step: row packing alone (PackedRows packing in the caller, host ms per row),
 the loss's part of the forward (no-grad forward with vs without the verifier states), one or two
 evaluation passes (train_draft's evaluation: evaluate_rows + eval_metrics on the eval split; the
 first includes the compile of the eval shapes), optionally a torch.profiler trace of 5 steps.
@@ -48,8 +49,7 @@ from eaglepipe.atomic import write_json  # noqa: E402
 from eaglepipe.draft_model import (LOSS_IMPLEMENTATION, build_draft, load_target_head,  # noqa: E402
                                    training_row_options)
 from eaglepipe.layers import aux_layer_ids, validate_layer_ids  # noqa: E402
-from eaglepipe.packed_data import PackedRows, shuffle_window  # noqa: E402
-from eaglepipe.prefetch import prefetch  # noqa: E402
+from eaglepipe.packed_data import PackedRows, check_row_loader, shuffle_window  # noqa: E402
 from eaglepipe.runtime import set_threads, setup_distributed  # noqa: E402
 from eaglepipe.shards import load_manifest  # noqa: E402
 
@@ -168,7 +168,9 @@ class Trainer:
         return real, int(b["input_ids"].shape[1])
 
     def stream(self, index: int):
-        return prefetch(self.rows().stream(0, index))
+        rows = self.rows()
+        check_row_loader(self.targs.row_loader, rows.row_bytes(self.manifest["target"]["hidden_size"]))
+        return rows.prefetched(self.targs.row_loader, 0, index)
 
     def sync(self) -> float:
         if self.device.type == "cuda":
@@ -191,7 +193,7 @@ def run_steps(trainer: Trainer, steps: int, index: int, clock) -> dict:
 
 
 def packing_ms(trainer: Trainer, rows: int, index: int) -> dict:
-    """Host ms to pack one row, without the prefetch thread (what it hides behind the step)."""
+    """Host ms to pack one row, packed in the caller (what the row loader hides behind the step)."""
     ms = []
     batches = trainer.rows().stream(0, index)
     t = time.perf_counter()
@@ -293,7 +295,7 @@ def main(argv=None) -> dict:
     phases = phase_table(clock.ms)
     result = {
         "device": str(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"),
-        "torch": torch.__version__, "threads": threads, "batch_tokens": targs.batch_tokens,
+        "torch": torch.__version__, "threads": threads, "row_loader": targs.row_loader, "batch_tokens": targs.batch_tokens,
         "row_length": trainer.pad_to, "ttt_steps": targs.ttt_steps, "warmup": ours.warmup, "steps": ours.steps,
         "warmup_step_ms": warmup_ms, "phases": phases, "profiled": profiled, "unprofiled": unprofiled,
     }

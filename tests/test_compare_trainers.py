@@ -200,12 +200,15 @@ def test_our_trainer_runs_once_per_shuffle_buffer_and_both_once_per_learning_rat
     assert args_for(run, tmp_path, **{"--ours-shuffle-buffers": "4,0,4"}).ours_shuffle_buffers == [0, 4]
     assert args_for(run, tmp_path, **{"--lr": "0.002,0.001,0.002"}).lr == [0.001, 0.002]
     assert [ct.ours_name(g) for g in (0, 4, 0.5)] == ["ours", "ours-buf4", "ours-buf0.5"]
+    assert ct.ours_name(4, "process") == "ours-buf4-process"
+    assert args_for(run, tmp_path, **{"--ours-row-loaders": "process,thread,process"}).ours_row_loaders == [
+        "process", "thread"]
     # one rate: the names of a single comparison; a grid: each run names its rate
     assert ct.run_name("ours-buf4", 0.001, [0.001]) == "ours-buf4"
     assert [ct.run_name("speculators", lr, [0.001, 0.0015]) for lr in (0.001, 0.0015)] == [
         "speculators@lr0.001", "speculators@lr0.0015"]
     for flag, bad in (("--ours-shuffle-buffers", "-1,4"), ("--ours-shuffle-buffers", "x"), ("--lr", "0,0.001"),
-                      ("--lr", "1e-3,fast")):
+                      ("--lr", "1e-3,fast"), ("--ours-row-loaders", "thread,auto")):
         with pytest.raises(SystemExit):
             args_for(run, tmp_path, **{flag: bad})
         assert flag in capsys.readouterr().err
@@ -264,7 +267,7 @@ def test_main_runs_the_grid_interleaved_and_resumes(run, tmp_path, monkeypatch, 
     """main() end to end with the trainers and the evaluator stood in (they need CUDA): run order,
     names, the JSON, the report; a second call reuses every stage."""
     order = []
-    def train_ours(args, work, g, lr, name):
+    def train_ours(args, work, g, loader, lr, name):
         order.append(name)
         return {"lr": lr, "draft": f"{work}/{name}/ckpt", "steps": args.steps, "tokens_per_step": 60.0,
                 "ms_per_step": 30.0 + 1000 * lr}
@@ -281,14 +284,16 @@ def test_main_runs_the_grid_interleaved_and_resumes(run, tmp_path, monkeypatch, 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "stand-in GPU")
     argv = ["--manifest", str(run["manifest"]), "--vocab", str(run["vocab"]), "--model", str(run["model"]),
             "--work", str(tmp_path / "w"), "--json", str(tmp_path / "o.json"), "--steps", "7",
-            "--lr", "0.0015,0.001", "--ours-shuffle-buffers", "0,4"]
+            "--lr", "0.0015,0.001", "--ours-shuffle-buffers", "0,4", "--ours-row-loaders", "thread,process"]
     ct.main(argv)
-    assert order == ["ours@lr0.001", "ours-buf4@lr0.001", "speculators@lr0.001",
-                     "ours@lr0.0015", "ours-buf4@lr0.0015", "speculators@lr0.0015"]
+    assert order == [f"{name}@lr{lr}" for lr in ("0.001", "0.0015")
+                     for name in ("ours", "ours-process", "ours-buf4", "ours-buf4-process", "speculators")]
     out = json.loads((tmp_path / "o.json").read_text())
-    assert list(out["ratios"]) == [f"{o}@lr{lr} / speculators@lr{lr}" for lr in ("0.001", "0.0015") for o in ("ours", "ours-buf4")]
+    assert list(out["ratios"]) == [f"{o}@lr{lr} / speculators@lr{lr}" for lr in ("0.001", "0.0015")
+                                   for o in ("ours", "ours-process", "ours-buf4", "ours-buf4-process")]
     assert out["runs"]["ours-buf4@lr0.0015"]["acceptance_length"] == pytest.approx(1.65)
-    assert out["runs"]["ours-buf4@lr0.0015"]["made_from"]["shuffle_buffer_gib"] == 4
+    assert out["runs"]["ours-buf4-process@lr0.0015"]["made_from"]["shuffle_buffer_gib"] == 4
+    assert out["runs"]["ours-buf4-process@lr0.0015"]["made_from"]["row_loader"] == "process"
     assert out["grid"]["best"]["ours"]["lr"] == 0.0015 and out["grid"]["best"]["speculators"]["lr"] == 0.0015
     assert out["grid"]["over_speculators"]["ours"] == {"acceptance_length": round(1.65 / 1.55, 3),
                                                        "ms_per_step": round(31.25 / 40.0, 3)}
@@ -296,6 +301,6 @@ def test_main_runs_the_grid_interleaved_and_resumes(run, tmp_path, monkeypatch, 
     printed = capsys.readouterr().out
     assert "FINAL_OFFLINE_AL speculators@lr0.0015 1.55 (k=3)" in printed
     ct.main(argv)  # every stage saved: nothing runs again
-    assert len(order) == 6 and "reusing" in capsys.readouterr().out
+    assert len(order) == 10 and "reusing" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="made from other settings"):
-        ct.main([*argv[:-4], "--steps", "8", "--lr", "0.0015,0.001", "--ours-shuffle-buffers", "0,4"])
+        ct.main([*argv[:-6], "--steps", "8", "--lr", "0.0015,0.001", "--ours-shuffle-buffers", "0,4"])

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from eaglepipe.packed_data import PackedRows, shuffle_window
+from eaglepipe.packed_data import ROW_LOADERS, PackedRows, check_row_loader, shuffle_window
 from eaglepipe.shards import load_manifest, read_shard, write_manifest, write_shard
 
 LAYER_IDS = [1, 3, 5, 6]  # tiny Llama has 6 layers; 6 = final layer before the final norm
@@ -358,3 +360,31 @@ def test_gpu_training_rows_are_bf16_and_train_as_the_fp32_rows_do(tmp_path, tiny
 
     for r, p in zip(bf16, fp32):
         assert loss(r) == pytest.approx(loss(p), rel=1e-3)  # measured: within 3e-4
+
+
+@pytest.mark.parametrize("loader", ROW_LOADERS)
+def test_rows_packed_ahead_are_the_streams_rows_from_any_position(tmp_path, loader):
+    m = random_manifest(tmp_path, [[4, 5, 3], [6, 2, 2], [7, 3]])
+    m["splits"]["train"]["shards"][0]["categories"] = ["a", None, "b"]
+    expected = list(zip(range(9), PackedRows(m, "train", batch_tokens=9, seed=1, shuffle_window=2, pad_to=12).stream(0, 2)))
+    ahead = PackedRows(m, "train", batch_tokens=9, seed=1, shuffle_window=2, pad_to=12).prefetched(loader, 0, 2)
+    got = [next(ahead) for _ in range(9)]
+    ahead.close()
+    assert [pos for _, (pos, _) in expected] == [pos for pos, _ in got]  # crosses an epoch: resume positions travel
+    for (_, (_, want)), (_, row) in zip(expected, got):
+        assert want.keys() == row.keys() and want["categories"] == row["categories"]
+        assert all(torch.equal(want[k], row[k]) for k in want if k != "categories")
+
+
+def test_a_worker_process_is_refused_where_shared_memory_cannot_hold_its_rows(tmp_path, monkeypatch):
+    m = random_manifest(tmp_path, [[4, 5, 3]], layers=4, hidden=576)
+    rows = PackedRows(m, "train", batch_tokens=8192, dtype=torch.bfloat16, pad_to=8192)
+    assert rows.row_bytes(576) == 8192 * (4 * 576 * 2 + 32)  # 38 MB: SmolLM2's rows on a GPU
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(total=64 << 20, used=0, free=64 << 20))
+    check_row_loader("thread", rows.row_bytes(576))  # a thread needs no shared memory
+    with pytest.raises(SystemExit, match=r"/dev/shm has 64 MiB free, the worker process needs 145 MiB for 4 rows .*--shm-size"):
+        check_row_loader("process", rows.row_bytes(576))
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(total=1 << 30, used=0, free=1 << 30))
+    check_row_loader("process", rows.row_bytes(576))
+    with pytest.raises(ValueError, match="one of thread, process"):
+        check_row_loader("auto", 1)

@@ -130,6 +130,18 @@ def test_resume_after_kill_gives_identical_weights(run, tmp_path, caplog):
     assert sa == sb
 
 
+def test_rows_packed_by_a_worker_process_train_the_same_weights_and_resume_a_thread_run(run, tmp_path, caplog):
+    thread = tmp_path / "thread"
+    train_draft.train(train_draft.parse_args(argv(run, thread)))
+    process = tmp_path / "process"
+    assert train_draft.train(train_draft.parse_args(argv(run, process, row_loader="thread")), stop_after=3) is None
+    with caplog.at_level(logging.INFO):
+        train_draft.train(train_draft.parse_args(argv(run, process, row_loader="process")))
+    assert "step-0000002 at step 2" in caplog.text and "packed ahead by a worker process" in caplog.text
+    a, b = weights(thread, 6), weights(process, 6)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_changed_setting_starts_fresh_and_incomplete_checkpoint_is_ignored(run, tmp_path, caplog):
     out = tmp_path / "train"
     train_draft.train(train_draft.parse_args(argv(run, out, max_steps=4)), stop_after=4)

@@ -23,13 +23,17 @@ different world size.
 
 from __future__ import annotations
 
+import copy
+import functools
 import logging
+import shutil
 from collections import OrderedDict
 from collections.abc import Iterator
 
 import torch
 from safetensors import safe_open
 
+from .prefetch import prefetch, prefetch_in_process
 from .shards import Shard, read_shard, row_categories, shard_paths
 
 log = logging.getLogger(__name__)
@@ -42,6 +46,28 @@ def shuffle_window(manifest: dict, split: str, buffer_gib: float) -> int:
     rows = [row for _, row in shard_paths(manifest, split)]
     expand = 2 if manifest.get("storage_dtype") == "fp8" else 1  # fp8 states are read back dequantized
     return max(1, min(len(rows), int(buffer_gib * 2**30) // (max(row["bytes"] for row in rows) * expand)))
+
+
+ROW_LOADERS = ("thread", "process")
+SHARED_MEMORY = "/dev/shm"
+
+
+def check_row_loader(loader: str, row_bytes: int, depth: int = 2) -> None:
+    """Refuse a worker process (``process``) where shared memory cannot hold the rows in flight:
+    its rows cross in shared memory, and a container's 64 MB /dev/shm would kill it with SIGBUS."""
+    if loader not in ROW_LOADERS:
+        raise ValueError(f"row loader {loader!r}: one of {', '.join(ROW_LOADERS)}")
+    if loader == "thread":
+        return
+    need = (depth + 2) * row_bytes  # the rows queued, the one being packed and the one in use
+    try:
+        free = shutil.disk_usage(SHARED_MEMORY).free
+    except OSError:
+        free = 0
+    if free < need:
+        raise SystemExit(f"--row-loader process: {SHARED_MEMORY} has {free / 2**20:.0f} MiB free, the worker process "
+                         f"needs {need / 2**20:.0f} MiB for {depth + 2} rows in flight; raise the container's "
+                         "--shm-size or use --row-loader thread")
 
 
 class PackedRows:
@@ -146,6 +172,21 @@ class PackedRows:
                                  f"({self.world_size}); lower batch_tokens or the number of GPUs")
             self.report()
             epoch, index = epoch + 1, 0
+
+    def prefetched(self, loader: str, epoch: int = 0, index: int = 0, depth: int = 2):
+        """``stream(epoch, index)`` with the next ``depth`` rows packed ahead, by a thread or a
+        worker process (``check_row_loader``). The worker packs in ordinary memory; page-locking, when
+        asked, happens here, as only this process's pages count for its GPU copies."""
+        if loader == "thread":
+            return prefetch(self.stream(epoch, index), depth)
+        worker = copy.copy(self)
+        worker.pin_memory = False
+        return prefetch_in_process(functools.partial(worker.stream, epoch, index), depth, pin_memory=self.pin_memory)
+
+    def row_bytes(self, hidden_size: int) -> int:
+        """The largest row's bytes: its states (every layer) and the few integer tensors."""
+        tokens = self.pad_to or self.batch_tokens
+        return tokens * (self.num_layers * hidden_size * self.dtype.itemsize + 4 * 8)
 
     def once(self) -> Iterator[dict]:
         """One pass over the split; this rank's share (rows i with i % world_size == rank)."""

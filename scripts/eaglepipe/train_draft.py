@@ -31,8 +31,7 @@ from .dir_lock import dir_lock
 from .draft_model import ARCHITECTURES, LOSS_IMPLEMENTATION
 from .model_dir import check_model_dir
 from .layers import aux_layer_ids, validate_layer_ids
-from .packed_data import PackedRows, shuffle_window
-from .prefetch import prefetch
+from .packed_data import ROW_LOADERS, PackedRows, check_row_loader, shuffle_window
 from .progress import TokenProgress
 from .runtime import all_reduce, rng_state, set_rng_state, set_threads, setup_distributed
 from .shards import load_manifest
@@ -60,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shuffle-buffer-gib", type=float, default=4.0,
                    help="memory for the shards whose samples are shuffled together (packed_data.shuffle_window); "
                         "0 = each shard's samples alone")
+    p.add_argument("--row-loader", default="thread", choices=ROW_LOADERS,
+                   help="what packs the next rows during a step: a thread, or a worker process (the GIL stays "
+                        "with the step; rows cross in shared memory); the rows are the same")
     p.add_argument("--eval-every", type=int, default=200)
     p.add_argument("--checkpoint-every", type=int, default=200)
     p.add_argument("--loss", default="kl_div", help="a speculators loss name (kl_div, ce, ...) or a JSON mix")
@@ -93,6 +95,7 @@ RESULT_NEUTRAL = {
     "trust_remote_code": "whether the target's own code may load",
     "manifest": "its shards are digested instead (settings 'data')",
     "vocab": "its content is digested instead (settings 'vocab')",
+    "row_loader": "the same rows whichever packs them",
 }
 
 
@@ -224,10 +227,12 @@ def train(args, stop_after: int | None = None) -> dict | None:
     window = shuffle_window(manifest, "train", args.shuffle_buffer_gib)
     log.info("rows shuffle the samples of %d shard(s) at a time (--shuffle-buffer-gib %g)", window,
              args.shuffle_buffer_gib)
-    # the next rows are packed by a thread while this step runs (on a GPU that was idle time)
-    stream = prefetch(PackedRows(manifest, "train", args.batch_tokens, seed=args.seed, shuffle=True, rank=rank,
-                                 world_size=world, shuffle_window=window,
-                                 **training_row_options(device, args.batch_tokens)).stream(*position))
+    # the next rows are packed while this step runs (on a GPU that was idle time)
+    rows = PackedRows(manifest, "train", args.batch_tokens, seed=args.seed, shuffle=True, rank=rank, world_size=world,
+                      shuffle_window=window, **training_row_options(device, args.batch_tokens))
+    check_row_loader(args.row_loader, rows.row_bytes(manifest["target"]["hidden_size"]))
+    log.info("rows are packed ahead by a %s (--row-loader)", "worker process" if args.row_loader == "process" else "thread")
+    stream = rows.prefetched(args.row_loader, *position)
     log_every = max(1, args.max_steps // 200)
     keys = ("hidden_states", "input_ids", "document_ids", "loss_mask", "position_ids", "verifier_last_hidden_states")
     window_tokens, window_start = 0, time.perf_counter()
