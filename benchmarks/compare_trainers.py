@@ -239,14 +239,13 @@ def run_logged(cmd: list[str], log: Path, env: dict | None = None) -> float:
 
 def stage(path: Path, fn, made_from: dict) -> dict:
     """The stage's saved result, or run it and save it. ``made_from``: the settings the result
-    depends on, saved with it; a result made from other settings is refused, never reused."""
+    depends on, saved with it; a result made from other settings is made again, never reused."""
     if path.is_file():
         result = read_json_object(path, "stage result", SystemExit)
-        if result.get("made_from") != made_from:
-            raise SystemExit(f"{path}: made from other settings ({result.get('made_from')}, now {made_from}); "
-                             f"use a fresh --work directory")
-        print(f"reusing {path}", flush=True)
-        return result
+        if result.get("made_from") == made_from:
+            print(f"reusing {path}", flush=True)
+            return result
+        print(f"{path}: made from other settings ({result.get('made_from')}), making it again", flush=True)
     result = {**fn(), "made_from": made_from}
     write_json(path, result)
     return result
