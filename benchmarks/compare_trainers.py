@@ -73,8 +73,10 @@ def convert_to_speculators(manifest: dict, out: Path, vocab: Path | None = None)
     from safetensors.torch import save_file
     from tqdm import tqdm
 
+    if out.exists():  # another manifest's rows, or a killed conversion: none of them may be read
+        shutil.rmtree(out)
     hs_dir = out / "hidden_states"
-    hs_dir.mkdir(parents=True, exist_ok=True)
+    hs_dir.mkdir(parents=True)
     rows: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": []}
     counts = {}
     for split in ("train", "eval"):
