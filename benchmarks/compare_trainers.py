@@ -131,9 +131,14 @@ def speculators_epochs(train_lengths: list[int], batch_tokens: int, steps: int, 
     return len(per_epoch), per_epoch
 
 
-def speculators_argv(args, manifest: dict, data: Path, conv: dict, epochs: int, lr: float,
+SPEC_DEFAULTS = "speculators-defaults"
+
+
+def speculators_argv(args, manifest: dict, data: Path, conv: dict, epochs: int, lr: float | None,
                      name: str = "speculators") -> list[str]:
-    """``speculators train`` flags for the draft our trainer builds (draft_model.NORM_FLAGS included)."""
+    """``speculators train`` flags for the draft our trainer builds (draft_model.NORM_FLAGS included).
+    ``lr`` None: speculators' own optimizer, learning rate, weight decay and schedule (what a user of
+    ``speculators train`` gets without those flags), not ours."""
     from eaglepipe.draft_model import NORM_FLAGS, NUM_DRAFT_LAYERS
     from eaglepipe.layers import aux_layer_ids
 
@@ -151,8 +156,8 @@ def speculators_argv(args, manifest: dict, data: Path, conv: dict, epochs: int, 
         "--hidden-states-dtype", args.spec_hidden_states_dtype,
         "--num-workers", str(args.spec_workers), "--prefetch-factor", "4",
         "--loss-fn", "kl_div", "--loss-implementation", "eager", "--ttt-steps", str(args.ttt_steps), "--ttt-step-loss-decay", "1.0",
-        "--optimizer", "adamw", "--lr", repr(lr), "--weight-decay", "0.0",
-        "--scheduler-type", "cosine", "--scheduler-warmup-steps", str(args.warmup_steps),
+        *([] if lr is None else ["--optimizer", "adamw", "--lr", repr(lr), "--weight-decay", "0.0",
+                                 "--scheduler-type", "cosine", "--scheduler-warmup-steps", str(args.warmup_steps)]),
         "--epochs", str(epochs), "--max-steps", str(args.steps), "--checkpoint-freq", "1", "--log-freq", "1",
         "--save-path", str(work / "checkpoints"), "--log-dir", str(work / "logs"), "--logger", "",
         "--seed", str(args.seed), "--no-resume-from-checkpoint",
@@ -286,7 +291,7 @@ def train_ours(args, work: Path, buffer_gib: float, row_loader: str, lr: float, 
             **ours_timing(out / "metrics.jsonl", args.warmup_report)}
 
 
-def train_speculators(args, work: Path, manifest: dict, lr: float, name: str) -> dict:
+def train_speculators(args, work: Path, manifest: dict, lr: float | None, name: str) -> dict:
     data = work / "speculators_data"
     conv = stage(work / "convert.json", lambda: timed(lambda: convert_to_speculators(manifest, data, args.vocab)),
                  {"manifest": str(args.manifest), "vocab": str(args.vocab)})
@@ -347,11 +352,13 @@ def grid(runs: dict) -> dict:
         best[trainer] = {"lr": top["lr"], "acceptance_length": top["acceptance_length"], "runs": len(rs),
                          "ms_per_step_median": round(statistics.median(ms), 3) if ms else None,
                          "ms_per_step_range": [min(ms), max(ms)] if ms else None}
-    spec = best["speculators"]
-    return {"best": best, "over_speculators": {
-        t: {"acceptance_length": ratio(b["acceptance_length"], spec["acceptance_length"]),
-            "ms_per_step": ratio(b["ms_per_step_median"], spec["ms_per_step_median"])}
-        for t, b in best.items() if t != "speculators"}}
+    def over(base: str) -> dict:
+        return {t: {"acceptance_length": ratio(b["acceptance_length"], best[base]["acceptance_length"]),
+                    "ms_per_step": ratio(b["ms_per_step_median"], best[base]["ms_per_step_median"])}
+                for t, b in best.items() if t.startswith("ours")}
+
+    return {"best": best, "over_speculators": over("speculators"),
+            **({"over_speculators_defaults": over(SPEC_DEFAULTS)} if SPEC_DEFAULTS in best else {})}
 
 
 def report(results: dict) -> str:
@@ -369,10 +376,14 @@ def report(results: dict) -> str:
         lines.append("each trainer at its best learning rate of the grid (ms/step: median over all its runs):")
         for trainer, b in results["grid"]["best"].items():
             lo, hi = b["ms_per_step_range"] or (0, 0)
-            lines.append(f"  {trainer:<{width}} lr {b['lr']:g}: AL {b['acceptance_length']:.3f}, "
+            rate = "its defaults" if b["lr"] is None else f"lr {b['lr']:g}"
+            lines.append(f"  {trainer:<{width}} {rate}: AL {b['acceptance_length']:.3f}, "
                          f"ms/step {b['ms_per_step_median']} ({lo}-{hi}, {b['runs']} runs)")
         for trainer, q in results["grid"]["over_speculators"].items():
             lines.append(f"  {trainer} / speculators, each at its best: offline AL {q['acceptance_length']}, "
+                         f"ms/step {q['ms_per_step']}")
+        for trainer, q in results["grid"].get("over_speculators_defaults", {}).items():
+            lines.append(f"  {trainer} at its best / {SPEC_DEFAULTS}: offline AL {q['acceptance_length']}, "
                          f"ms/step {q['ms_per_step']}")
     return "\n".join(lines)
 
@@ -411,6 +422,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ours-row-loaders", default="thread",
                    help="our trainer once per train_draft --row-loader, e.g. thread,process (rows ours-buf4, "
                         "ours-buf4-process)")
+    p.add_argument("--spec-defaults", action="store_true",
+                   help=f"also speculators with its own optimizer, learning rate, weight decay and schedule "
+                        f"(row {SPEC_DEFAULTS}; speculators 0.9: Muon, lr 1e-3, linear decay)")
     p.add_argument("--json", required=True, type=Path)
     args = p.parse_args(argv)
     for name in ("steps", "batch_tokens", "ttt_steps", "k"):
@@ -449,6 +463,12 @@ def main(argv=None) -> None:
         runs[spec] = stage(work / f"{spec}.json", lambda lr=lr, spec=spec: train_speculators(args, work, manifest, lr, spec),
                            made_from(args, lr=lr, spec_workers=args.spec_workers,
                                      spec_hidden_states_dtype=args.spec_hidden_states_dtype))
+    if args.spec_defaults:  # once: its learning rate is its own
+        runs[SPEC_DEFAULTS] = stage(work / f"{SPEC_DEFAULTS}.json",
+                                    lambda: train_speculators(args, work, manifest, None, SPEC_DEFAULTS),
+                                    made_from(args, lr=None, spec_workers=args.spec_workers,
+                                              spec_hidden_states_dtype=args.spec_hidden_states_dtype))
+        pairs += [(name, SPEC_DEFAULTS) for name in runs if name.startswith("ours")]
     for name, r in runs.items():
         ev = stage(work / f"eval_{name}_summary.json", lambda r=r, name=name: evaluate(args, work, name, r["draft"]),
                    {"draft": r["draft"], "made_from": r["made_from"], "k": args.k})

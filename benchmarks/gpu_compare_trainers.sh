@@ -35,7 +35,8 @@
 # Settings below: env STEPS, BATCH_TOKENS, LR (one rate, or a comma-separated grid that both trainers
 # run, interleaved: LR=0.001,0.0015,0.002), WARMUP, DRAFT_VOCAB, EXTRACT_BATCH, MAX_SAMPLES (per
 # split, default all), DEADLINE_S (compare ends by then, default 570), OURS_BUFFERS (default 0,4),
-# ROW_LOADERS (train_draft --row-loader of our runs, default thread; thread,process runs both).
+# ROW_LOADERS (train_draft --row-loader of our runs, default thread; thread,process runs both),
+# SPEC_DEFAULTS=1 (also speculators at its own optimizer, rate and schedule: Muon, 1e-3, linear).
 # Results in $OUT: compare.json (compare_trainers --json), summary.txt, logs.tar.gz.
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -99,7 +100,7 @@ pipeline() {  # data, extraction, vocab mapping, comparison on the target in $W/
   tail -n 1 "$W/vocab.log" | tee -a "$W/summary.txt"
   step compare compare "$W/work" "$W/hs/manifest.json" "$W/vocab.safetensors" "$W/target" "$W/compare.json" \
     "$STEPS" "$BATCH_TOKENS" --lr "$LR" --warmup-steps "$WARMUP" --ours-shuffle-buffers "$OURS_BUFFERS" \
-    --ours-row-loaders "$ROW_LOADERS"
+    --ours-row-loaders "$ROW_LOADERS" ${SPEC_DEFAULTS:+--spec-defaults}
   awk '/^trainer/{on=1} /^FINAL_OFFLINE_AL/{on=0} on' "$W/compare.log" | tee -a "$W/summary.txt"
   grep "^FINAL_OFFLINE_AL" "$W/compare.log" | tee -a "$W/summary.txt"
 }
@@ -181,7 +182,7 @@ run-of)
   fi
   step compare compare "$W/work" "$run/hidden_states/manifest.json" "$run/data/vocab_mapping.safetensors" "$model" \
     "$W/compare.json" "$STEPS" "$BATCH_TOKENS" --lr "$LR" --warmup-steps "$WARMUP" --ours-shuffle-buffers "$OURS_BUFFERS" \
-    --ours-row-loaders "$ROW_LOADERS"
+    --ours-row-loaders "$ROW_LOADERS" ${SPEC_DEFAULTS:+--spec-defaults}
   awk '/^trainer/{on=1} /^FINAL_OFFLINE_AL/{on=0} on' "$W/compare.log" | tee -a "$W/summary.txt"
   grep "^FINAL_OFFLINE_AL" "$W/compare.log" | tee -a "$W/summary.txt"
   finish 0

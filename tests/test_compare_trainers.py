@@ -136,6 +136,19 @@ def test_speculators_flags_resolve_to_our_draft_settings(converted, run, tmp_pat
     assert {k: cfg[k] for k in expected} == expected
 
 
+def test_speculators_defaults_leave_optimizer_rate_and_schedule_to_speculators(converted, run, tmp_path):
+    from speculators.train.config import TrainConfig
+
+    manifest, out, conv = converted
+    argv = ct.speculators_argv(args_for(run, tmp_path), manifest, out, conv, epochs=3, lr=None, name=ct.SPEC_DEFAULTS)
+    assert not {"--optimizer", "--lr", "--weight-decay", "--scheduler-type", "--scheduler-warmup-steps"} & set(argv)
+    cfg = TrainConfig.resolve(argv).flatten()
+    # speculators 0.9.0's own: what `speculators train` gives a user who sets none of them
+    assert {k: cfg[k] for k in ("optimizer", "lr", "weight_decay", "scheduler_type", "max_steps", "ttt_steps")} == {
+        "optimizer": "muon", "lr": 1e-3, "weight_decay": 0.01, "scheduler_type": "linear", "max_steps": 7, "ttt_steps": 3}
+    assert cfg["save_path"] == str(tmp_path / "work" / ct.SPEC_DEFAULTS / "checkpoints")
+
+
 def test_speculators_checkpoint_loads_into_our_evaluator(converted, run, tmp_path):
     """A draft built by speculators' trainer code and saved by its checkpointer (bf16) is evaluated
     by eaglepipe.evaluate, as the GPU run does with speculators' final checkpoint."""
@@ -302,6 +315,16 @@ def test_main_runs_the_grid_interleaved_and_resumes(run, tmp_path, monkeypatch, 
     assert "FINAL_OFFLINE_AL speculators@lr0.0015 1.55 (k=3)" in printed
     ct.main(argv)  # every stage saved: nothing runs again
     assert len(order) == 10 and "reusing" in capsys.readouterr().out
+    ct.main([*argv, "--spec-defaults"])  # one more run, speculators at its own settings; the rest reused
+    assert order[10:] == [ct.SPEC_DEFAULTS]
+    out = json.loads((tmp_path / "o.json").read_text())
+    assert out["runs"][ct.SPEC_DEFAULTS]["lr"] is None
+    assert "ours-buf4@lr0.0015 / speculators-defaults" in out["ratios"]
+    assert out["grid"]["over_speculators_defaults"]["ours"] == {"acceptance_length": round(1.65 / 1.5, 3),
+                                                                "ms_per_step": round(31.25 / 40.0, 3)}
+    printed = capsys.readouterr().out
+    assert "speculators-defaults" in printed and "its defaults: AL 1.500" in printed
+    del order[10:]
     ct.main([*argv[:-6], "--steps", "8", "--lr", "0.0015,0.001", "--ours-shuffle-buffers", "4"])  # other steps
     assert order[10:] == [f"{name}@lr{lr}" for lr in ("0.001", "0.0015") for name in ("ours-buf4", "speculators")]
     assert json.loads((tmp_path / "o.json").read_text())["runs"]["speculators@lr0.001"]["made_from"]["steps"] == 8
