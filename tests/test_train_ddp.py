@@ -47,3 +47,17 @@ def test_two_processes_train_checkpoint_once_and_resume_on_one(run, tmp_path):
     assert "resuming from" in log and "saved with world size 2, now 1" in log, log[-2000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 6 and summary["last"] == "checkpoints/step-0000006"
+
+
+def test_each_rank_packing_its_rows_in_a_worker_process_trains_the_same_weights(run, tmp_path):
+    from safetensors.torch import load_file
+    import torch
+
+    weights = {}
+    for loader in ("thread", "process"):
+        out = tmp_path / loader
+        log = train(argv(run, out, max_steps=4, checkpoint_every=4, eval_every=4, row_loader=loader), nproc=2)
+        assert "world size 2" in log and ("worker process" in log) == (loader == "process")
+        weights[loader] = load_file(str(out / "checkpoints" / "step-0000004" / "model.safetensors"))
+    a, b = weights["thread"], weights["process"]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
