@@ -451,6 +451,7 @@ def main(argv=None) -> None:
     work = args.work
     work.mkdir(parents=True, exist_ok=True)
     runs, pairs = {}, []
+    spec_settings = {"spec_workers": args.spec_workers, "spec_hidden_states_dtype": args.spec_hidden_states_dtype}
     for lr in args.lr:  # interleaved, so a drift of the machine's speed hits both trainers
         spec = run_name("speculators", lr, args.lr)
         for g in args.ours_shuffle_buffers:
@@ -461,13 +462,11 @@ def main(argv=None) -> None:
                                    made_from(args, lr=lr, shuffle_buffer_gib=g, row_loader=loader))
                 pairs.append((name, spec))
         runs[spec] = stage(work / f"{spec}.json", lambda lr=lr, spec=spec: train_speculators(args, work, manifest, lr, spec),
-                           made_from(args, lr=lr, spec_workers=args.spec_workers,
-                                     spec_hidden_states_dtype=args.spec_hidden_states_dtype))
+                           made_from(args, lr=lr, **spec_settings))
     if args.spec_defaults:  # once: its learning rate is its own
         runs[SPEC_DEFAULTS] = stage(work / f"{SPEC_DEFAULTS}.json",
                                     lambda: train_speculators(args, work, manifest, None, SPEC_DEFAULTS),
-                                    made_from(args, lr=None, spec_workers=args.spec_workers,
-                                              spec_hidden_states_dtype=args.spec_hidden_states_dtype))
+                                    made_from(args, lr=None, **spec_settings))
         pairs += [(name, SPEC_DEFAULTS) for name in runs if name.startswith("ours")]
     for name, r in runs.items():
         ev = stage(work / f"eval_{name}_summary.json", lambda r=r, name=name: evaluate(args, work, name, r["draft"]),

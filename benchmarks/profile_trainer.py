@@ -49,7 +49,7 @@ from eaglepipe.atomic import write_json  # noqa: E402
 from eaglepipe.draft_model import (LOSS_IMPLEMENTATION, build_draft, load_target_head,  # noqa: E402
                                    training_row_options)
 from eaglepipe.layers import aux_layer_ids, validate_layer_ids  # noqa: E402
-from eaglepipe.packed_data import PackedRows, check_row_loader, shuffle_window  # noqa: E402
+from eaglepipe.packed_data import PackedRows, shuffle_window  # noqa: E402
 from eaglepipe.runtime import set_threads, setup_distributed  # noqa: E402
 from eaglepipe.shards import load_manifest  # noqa: E402
 
@@ -168,9 +168,7 @@ class Trainer:
         return real, int(b["input_ids"].shape[1])
 
     def stream(self, index: int):
-        rows = self.rows()
-        check_row_loader(self.targs.row_loader, rows.row_bytes(self.manifest["target"]["hidden_size"]))
-        return rows.prefetched(self.targs.row_loader, 0, index)
+        return self.rows().prefetched(self.targs.row_loader, 0, index)
 
     def sync(self) -> float:
         if self.device.type == "cuda":

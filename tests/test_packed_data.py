@@ -119,7 +119,8 @@ def random_manifest(tmp: Path, lengths: list[list[int]], layers: int = 3, hidden
             torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()]), {"layer_ids": list(range(1, layers + 1))}))
         counter += T
         sample += len(lens)
-    m = {"layer_ids": list(range(1, layers + 1)), "shard_dir": "shards", "target": {"num_hidden_layers": layers},
+    m = {"layer_ids": list(range(1, layers + 1)), "shard_dir": "shards",
+         "target": {"num_hidden_layers": layers, "hidden_size": hidden},
          "splits": {"train": {"shards": rows}}}
     write_manifest(tmp / "manifest.json", m)
     return load_manifest(tmp / "manifest.json")
@@ -379,12 +380,16 @@ def test_rows_packed_ahead_are_the_streams_rows_from_any_position(tmp_path, load
 def test_a_worker_process_is_refused_where_shared_memory_cannot_hold_its_rows(tmp_path, monkeypatch):
     m = random_manifest(tmp_path, [[4, 5, 3]], layers=4, hidden=576)
     rows = PackedRows(m, "train", batch_tokens=8192, dtype=torch.bfloat16, pad_to=8192)
-    assert rows.row_bytes(576) == 8192 * (4 * 576 * 2 + 32)  # 38 MB: SmolLM2's rows on a GPU
+    assert rows.row_bytes() == 8192 * (4 * 576 * 2 + 32)  # 38 MB: SmolLM2's rows on a GPU
     monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(total=64 << 20, used=0, free=64 << 20))
-    check_row_loader("thread", rows.row_bytes(576))  # a thread needs no shared memory
+    check_row_loader("thread", rows.row_bytes())  # a thread needs no shared memory
     with pytest.raises(SystemExit, match=r"/dev/shm has 64 MiB free, the worker process needs 145 MiB for 4 rows .*--shm-size"):
-        check_row_loader("process", rows.row_bytes(576))
+        check_row_loader("process", rows.row_bytes())
+    with pytest.raises(SystemExit, match="/dev/shm has 64 MiB free"):  # what training asks for
+        rows.prefetched("process")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(total=1 << 30, used=0, free=1 << 30))
-    check_row_loader("process", rows.row_bytes(576))
+    check_row_loader("process", rows.row_bytes())
     with pytest.raises(ValueError, match="one of thread, process"):
         check_row_loader("auto", 1)
+    with pytest.raises(ValueError, match="one of thread, process"):
+        rows.prefetched("auto")

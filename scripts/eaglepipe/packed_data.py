@@ -91,6 +91,7 @@ class PackedRows:
         self.settings_digest = manifest.get("settings", {}).get("digest")
         self.split = split
         self.num_layers = len(manifest["layer_ids"])
+        self.hidden_size = manifest.get("target", {}).get("hidden_size")  # extraction records it
         self.batch_tokens = batch_tokens
         self.seed, self.shuffle = seed, shuffle
         self.window = shuffle_window if shuffle else 1
@@ -175,18 +176,20 @@ class PackedRows:
 
     def prefetched(self, loader: str, epoch: int = 0, index: int = 0, depth: int = 2):
         """``stream(epoch, index)`` with the next ``depth`` rows packed ahead, by a thread or a
-        worker process (``check_row_loader``). The worker packs in ordinary memory; page-locking, when
-        asked, happens here, as only this process's pages count for its GPU copies."""
+        worker process (refused where shared memory cannot hold its rows: ``check_row_loader``). The
+        worker packs in ordinary memory; page-locking, when asked, happens here, as only this
+        process's pages count for its GPU copies."""
+        check_row_loader(loader, self.row_bytes() if loader == "process" else 0, depth)
         if loader == "thread":
             return prefetch(self.stream(epoch, index), depth)
         worker = copy.copy(self)
         worker.pin_memory = False
         return prefetch_in_process(functools.partial(worker.stream, epoch, index), depth, pin_memory=self.pin_memory)
 
-    def row_bytes(self, hidden_size: int) -> int:
+    def row_bytes(self) -> int:
         """The largest row's bytes: its states (every layer) and the few integer tensors."""
         tokens = self.pad_to or self.batch_tokens
-        return tokens * (self.num_layers * hidden_size * self.dtype.itemsize + 4 * 8)
+        return tokens * (self.num_layers * self.hidden_size * self.dtype.itemsize + 4 * 8)
 
     def once(self) -> Iterator[dict]:
         """One pass over the split; this rank's share (rows i with i % world_size == rank)."""

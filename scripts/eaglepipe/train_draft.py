@@ -31,7 +31,7 @@ from .dir_lock import dir_lock
 from .draft_model import ARCHITECTURES, LOSS_IMPLEMENTATION
 from .model_dir import check_model_dir
 from .layers import aux_layer_ids, validate_layer_ids
-from .packed_data import ROW_LOADERS, PackedRows, check_row_loader, shuffle_window
+from .packed_data import ROW_LOADERS, PackedRows, shuffle_window
 from .progress import TokenProgress
 from .runtime import all_reduce, rng_state, set_rng_state, set_threads, setup_distributed
 from .shards import load_manifest
@@ -230,7 +230,6 @@ def train(args, stop_after: int | None = None) -> dict | None:
     # the next rows are packed while this step runs (on a GPU that was idle time)
     rows = PackedRows(manifest, "train", args.batch_tokens, seed=args.seed, shuffle=True, rank=rank, world_size=world,
                       shuffle_window=window, **training_row_options(device, args.batch_tokens))
-    check_row_loader(args.row_loader, rows.row_bytes(manifest["target"]["hidden_size"]))
     log.info("rows are packed ahead by a %s (--row-loader)", "worker process" if args.row_loader == "process" else "thread")
     stream = rows.prefetched(args.row_loader, *position)
     log_every = max(1, args.max_steps // 200)
