@@ -155,6 +155,12 @@ def kv_cache_flag():
     return "" if gib is None else f"--kv-cache-gib {gib}"
 
 
+def parity_requests_flag():
+    """benchmark_serving's parity window in requests; none = every prompt once (its default)."""
+    n = config["benchmark_serving"]["parity"]["min_requests"]
+    return "" if n is None else f"--parity-min-requests {n}"
+
+
 def extract_gpus():
     ex = config["extract"]
     if ex["backend"] == "vllm":

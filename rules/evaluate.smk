@@ -97,7 +97,7 @@ rule benchmark_serving:
         min_tokens=config["benchmark_serving"]["min_output_tokens"],
         ulps=config["benchmark_serving"]["near_tie_ulps"],
         parity_k=lambda wc: parity_k(),
-        parity_requests=config["benchmark_serving"]["parity"]["min_requests"],
+        parity_requests=parity_requests_flag(),
         code=code_digest("benchmark_serving"),
     shell:
         # the parity set is all held out: the extraction's train split is this empty file
@@ -108,7 +108,7 @@ rule benchmark_serving:
         "--max-tokens {params.max_tokens} --concurrency {params.concurrency} --k {params.k} "
         "--min-seconds {params.min_seconds} --min-output-tokens {params.min_tokens} "
         "--near-tie-ulps {params.ulps} --parity-k {params.parity_k} "
-        "--parity-min-requests {params.parity_requests} --tensor-parallel-size {params.tp} "
+        "{params.parity_requests} --tensor-parallel-size {params.tp} "
         "--gpu-memory-utilization {params.gpu_util} {params.kv_cache} "
         "--out {output.serving} --parity-samples {output.samples} > {log} 2>&1"
 

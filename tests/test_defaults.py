@@ -240,3 +240,11 @@ def test_the_kv_cache_setting_reaches_every_vllm_rule_only_when_set():
             assert parser.parse_args(words).kv_cache_gib == 8.0, (rule, words)
         else:
             assert "--kv-cache-gib" not in words, rule
+
+
+def test_the_parity_window_is_every_prompt_unless_set():
+    module, words = passed_by_rule(REQUIRED)["benchmark_serving"]
+    parser, _ = stage_parser(module)
+    assert "--parity-min-requests" not in words and parser.parse_args(words).parity_min_requests is None
+    module, words = passed_by_rule({**REQUIRED, "benchmark_serving": {"parity": {"min_requests": 40}}})["benchmark_serving"]
+    assert parser.parse_args(words).parity_min_requests == 40

@@ -91,3 +91,20 @@ def test_a_concurrency_where_no_k_helps_reads_as_the_target_alone(run):
         {"recommended": {"by_concurrency": {"1": 3, "64": None}, "k": 3}}))
     assert "best K by concurrency: 1: 3, 64: the target alone" in write_card(run, "--serving",
                                                                            str(run / "eval/serving.json"))
+
+
+def test_card_sets_the_offline_estimate_beside_vllms_at_the_same_k(run):
+    offline = json.loads((run / "eval/offline.json").read_text())
+    offline["as_served"] = {"acceptance_length": 2.105, "drafts": 8002}
+    (run / "eval/offline.json").write_text(json.dumps(offline))
+    serving = json.loads((run / "eval/serving.json").read_text())
+    serving["points"] = [{"concurrency": 1, "k": None, "requests_finished": 80},
+                         {"concurrency": 4, "k": 3, "acceptance_length": 1.9, "requests_finished": 200},
+                         {"concurrency": 1, "k": 3, "acceptance_length": 2.028, "requests_finished": 80}]
+    (run / "eval/serving.json").write_text(json.dumps(serving))
+    card = write_card(run, "--serving", str(run / "eval/serving.json"))
+    assert ("offline vs online at K=3, concurrency 1: 2.105 as served against vLLM's 2.028 over 80 requests "
+            "(offline / online 1.038)") in card
+    offline["k"] = 5  # an estimate at a K vLLM did not serve: nothing to set beside it
+    (run / "eval/offline.json").write_text(json.dumps(offline))
+    assert "offline vs online" not in write_card(run, "--serving", str(run / "eval/serving.json"))

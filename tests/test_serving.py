@@ -12,7 +12,7 @@ import pytest
 
 from eaglepipe import benchmark_serving as bs
 from eaglepipe.serving_sweep import (acceptance, counter_delta, explain_divergences, first_difference, logit_ulp,
-                                     near_tie_threshold, recommend, spec_counters, sweep_rows)
+                                     near_tie_threshold, recommend, spec_counters, sweep_rows, window_requests)
 from eaglepipe.tokenized_samples import read_prepared
 
 
@@ -99,6 +99,19 @@ def test_concurrency_one_window_holds_whole_requests():
     # the prompts cycle and the request ids are unique
     assert [f["prompt"] for f in w["finished"]] == [1, 2, 0, 1]
     assert len({f["id"] for f in w["finished"]}) == 4
+
+
+def test_by_default_the_parity_window_serves_every_prompt_once():
+    """The window the offline estimate is held against: after the warm-up request, each prompt once."""
+    e = FakeEngine(length=5)
+    n = window_requests(3, 1, parity_k=3, parity_requests=len(PROMPTS))
+    w = bs.run_point(stream(e, 1), min_seconds=0.1, min_output_tokens=1, min_requests=n, snapshot=e.snapshot)
+    assert sorted(f["prompt"] for f in w["finished"]) == [0, 1, 2]
+    # the target alone's concurrency-1 window too (its speedup compares the same requests); no other
+    assert window_requests(None, 1, parity_k=3, parity_requests=80) == 80
+    assert window_requests(2, 1, parity_k=3, parity_requests=80) == 0
+    assert window_requests(3, 4, parity_k=3, parity_requests=80) == 0
+    assert window_requests(None, 4, parity_k=3, parity_requests=80) == 0
 
 
 def test_run_all_finishes_every_request_once():

@@ -11,7 +11,9 @@ configuration (the target alone, then the target + draft for each K), each loade
 spawned process (GPU memory is released between them) and measured at every concurrency C: C
 requests are kept in flight by streaming them through ``llm_engine.add_request``/``step`` (the
 prompts cycle), greedy. Each engine is warmed up once, each point again until C requests finished;
-a timed window then runs until ``--min-seconds`` and ``--min-output-tokens`` are both reached.
+a timed window then runs until ``--min-seconds`` and ``--min-output-tokens`` are both reached, and at
+concurrency 1 for the target alone and ``--parity-k`` until every prompt was served once
+(``--parity-min-requests``): the prompts the offline estimate replays when it holds the same file.
 Acceptance comes from vLLM's own spec-decode counters read at the window's ends.
 
 Also written: greedy outputs that differ from the target alone, explained by the target's top-2
@@ -34,7 +36,7 @@ from pathlib import Path
 
 from .atomic import atomic_path, write_json
 from .serving_sweep import (CONVENTION, counter_delta, explain_divergences, parity_samples, recommend,
-                            spec_counters, sweep_rows, window_done)
+                            spec_counters, sweep_rows, window_done, window_requests)
 from .tokenized_samples import iter_prepared
 from .vllm_env import add_kv_cache_argument, kv_cache_kwargs, set_vllm_env_defaults
 
@@ -191,11 +193,11 @@ def run_engine(settings: dict, prompts: list[list[int]], k: int | None, result_p
     snapshot = (lambda: spec_counters(llm.get_metrics())) if k is not None else None
     points, timed_s = {}, 0.0
     for c in concurrencies:
-        parity_point = k == settings["parity_k"] and c == PARITY_CONCURRENCY
         t0 = time.perf_counter()
         w = run_point(RequestStream(engine, prompts, c, params(settings["max_tokens"]), f"c{c}"),
                       min_seconds=settings["min_seconds"], min_output_tokens=settings["min_output_tokens"],
-                      min_requests=settings["parity_min_requests"] if parity_point else 0, snapshot=snapshot)
+                      min_requests=window_requests(k, c, settings["parity_k"], settings["parity_min_requests"]),
+                      snapshot=snapshot)
         timed_s += w["seconds"]
         warmup_s += time.perf_counter() - t0 - w["seconds"]
         points[str(c)] = w
@@ -299,8 +301,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-seconds", type=float, default=10.0)
     p.add_argument("--min-output-tokens", type=int, default=2000)
     p.add_argument("--parity-k", type=int, required=True, help="the K whose concurrency-1 window the parity replays")
-    p.add_argument("--parity-min-requests", type=int, default=32,
-                   help="that window lasts until at least this many requests finished")
+    p.add_argument("--parity-min-requests", type=int, default=None,
+                   help="that window, and the target alone's at concurrency 1, last until at least this many "
+                        "requests finished (default: the number of prompts, each once: the prompts the "
+                        "offline estimate holds when it is run on the same file)")
     p.add_argument("--near-tie-ulps", type=float, default=4.0)
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
@@ -315,7 +319,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = build_parser()
     a = p.parse_args(argv)
     for flag in ("num_prompts", "max_tokens", "tensor_parallel_size", "min_output_tokens", "parity_min_requests"):
-        if getattr(a, flag) < 1:
+        if getattr(a, flag) is not None and getattr(a, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} {getattr(a, flag)}: must be at least 1")
     if not 0 < a.gpu_memory_utilization <= 1:
         p.error(f"--gpu-memory-utilization {a.gpu_memory_utilization}: must be in (0, 1]")
@@ -346,7 +350,7 @@ def main(argv: list[str] | None = None) -> None:
                 "trust_remote_code": a.trust_remote_code,
                 "dtype": a.dtype, "max_tokens": a.max_tokens, "concurrency": a.concurrency,
                 "min_seconds": a.min_seconds, "min_output_tokens": a.min_output_tokens, "parity_k": a.parity_k,
-                "parity_min_requests": a.parity_min_requests, "near_tie_ulps": a.near_tie_ulps,
+                "parity_min_requests": a.parity_min_requests or len(prompts), "near_tie_ulps": a.near_tie_ulps,
                 "vllm_version": version("vllm")}
     # vLLM resolves a relative draft path against its own working directory: give it the absolute one
     engine_settings = dict(settings, draft=str(Path(a.draft).resolve()))

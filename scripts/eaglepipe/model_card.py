@@ -115,7 +115,22 @@ def card(config: dict, summary: dict, which: str, data_stats: dict, offline: dic
         lines.append("- vLLM serving benchmark, best K by concurrency: "
                      + (", ".join(f"{c}: {'the target alone' if v is None else v}"
                                   for c, v in by_concurrency.items()) or "n/a"))
+        lines += offline_vs_online(offline, serving)
     return "\n".join(lines) + "\n"
+
+
+def offline_vs_online(offline: dict, serving: dict) -> list[str]:
+    """The offline estimate as served beside vLLM's acceptance length at the same K, concurrency 1
+    (how far the offline figure can be trusted); nothing when the two were taken at different K."""
+    as_served = offline.get("as_served")
+    online = next((p for p in serving.get("points", [])
+                   if p.get("concurrency") == 1 and p.get("k") == offline.get("k")), None)
+    if not as_served or not online or not online.get("acceptance_length"):
+        return []
+    ratio = as_served["acceptance_length"] / online["acceptance_length"]
+    return [f"- offline vs online at K={offline['k']}, concurrency 1: {as_served['acceptance_length']} as served "
+            f"against vLLM's {online['acceptance_length']} over {online['requests_finished']} requests "
+            f"(offline / online {ratio:.3f})"]
 
 
 def build_parser() -> argparse.ArgumentParser:
