@@ -38,6 +38,7 @@ profile (``step_ms``, every step synchronised at log_freq 1).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import os
@@ -54,6 +55,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 
 from eaglepipe.atomic import read_json_object, write_json  # noqa: E402
+from eaglepipe.draft_model import LOSS_IMPLEMENTATION  # noqa: E402
 from eaglepipe.packed_data import ROW_LOADERS  # noqa: E402
 from eaglepipe.shards import load_manifest, read_shard, shard_paths  # noqa: E402
 
@@ -265,8 +267,9 @@ def made_from(args, **run) -> dict:
             "seed": args.seed, **run}
 
 
-def ours_name(buffer_gib: float, row_loader: str = "thread") -> str:
-    return ("ours" if buffer_gib == 0 else f"ours-buf{buffer_gib:g}") + ("" if row_loader == "thread" else f"-{row_loader}")
+def ours_name(buffer_gib: float, row_loader: str = "thread", loss: str = "kl_div") -> str:
+    return (("ours" if buffer_gib == 0 else f"ours-buf{buffer_gib:g}") + ("" if row_loader == "thread" else f"-{row_loader}")
+            + ("" if loss == "kl_div" else f"-{loss}"))
 
 
 def run_name(trainer: str, lr: float, lrs: list[float]) -> str:
@@ -274,7 +277,8 @@ def run_name(trainer: str, lr: float, lrs: list[float]) -> str:
     return trainer if len(lrs) == 1 else f"{trainer}@lr{lr:g}"
 
 
-def train_ours(args, work: Path, buffer_gib: float, row_loader: str, lr: float, name: str) -> dict:
+def train_ours(args, work: Path, variant: dict, lr: float, name: str) -> dict:
+    """One run of our trainer; ``variant``: its shuffle_buffer_gib, row_loader and loss."""
     out = work / name
     if out.exists():  # a killed run: start over, or the timing would mix two processes
         shutil.rmtree(out)
@@ -282,9 +286,9 @@ def train_ours(args, work: Path, buffer_gib: float, row_loader: str, lr: float, 
            "--model", str(args.model), "--out-dir", str(out), "--ttt-steps", str(args.ttt_steps),
            "--ttt-step-loss-decay", "1.0", "--lr", repr(lr), "--weight-decay", "0.0",
            "--warmup-steps", str(args.warmup_steps), "--max-steps", str(args.steps),
-           "--batch-tokens", str(args.batch_tokens), "--shuffle-buffer-gib", repr(buffer_gib), "--row-loader", row_loader,
-           "--eval-every", str(args.steps),
-           "--checkpoint-every", str(args.steps), "--loss", "kl_div", "--seed", str(args.seed)]
+           "--batch-tokens", str(args.batch_tokens), "--shuffle-buffer-gib", repr(variant["shuffle_buffer_gib"]),
+           "--row-loader", variant["row_loader"], "--eval-every", str(args.steps),
+           "--checkpoint-every", str(args.steps), "--loss", variant["loss"], "--seed", str(args.seed)]
     wall = run_logged(cmd, work / f"{name}_train.log", {"PYTHONPATH": pythonpath()})
     summary = read_json_object(out / "summary.json", "training summary", SystemExit)
     return {"wall_s": round(wall, 1), "lr": lr, "draft": str(out / summary["last"]),
@@ -422,6 +426,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ours-row-loaders", default="thread",
                    help="our trainer once per train_draft --row-loader, e.g. thread,process (rows ours-buf4, "
                         "ours-buf4-process)")
+    p.add_argument("--ours-losses", default="kl_div",
+                   help="our trainer once per train.loss (speculators' losses), e.g. kl_div,lk_hybrid (rows "
+                        "ours-buf4, ours-buf4-lk_hybrid); speculators trains with kl_div, its EAGLE-3 default")
     p.add_argument("--spec-defaults", action="store_true",
                    help=f"also speculators with its own optimizer, learning rate, weight decay and schedule "
                         f"(row {SPEC_DEFAULTS}; speculators 0.9: Muon, lr 1e-3, linear decay)")
@@ -435,6 +442,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.ours_row_loaders = list(dict.fromkeys(args.ours_row_loaders.split(",")))
     if unknown := [r for r in args.ours_row_loaders if r not in ROW_LOADERS]:
         p.error(f"--ours-row-loaders {','.join(unknown)}: each one of {', '.join(ROW_LOADERS)}")
+    args.ours_losses = list(dict.fromkeys(args.ours_losses.split(",")))
+    from speculators.losses import resolve_loss_config
+
+    for loss in args.ours_losses:
+        try:
+            resolve_loss_config(loss, LOSS_IMPLEMENTATION)
+        except ValueError as e:
+            p.error(f"--ours-losses {loss}: {e}")
     return args
 
 
@@ -454,13 +469,13 @@ def main(argv=None) -> None:
     spec_settings = {"spec_workers": args.spec_workers, "spec_hidden_states_dtype": args.spec_hidden_states_dtype}
     for lr in args.lr:  # interleaved, so a drift of the machine's speed hits both trainers
         spec = run_name("speculators", lr, args.lr)
-        for g in args.ours_shuffle_buffers:
-            for loader in args.ours_row_loaders:
-                name = run_name(ours_name(g, loader), lr, args.lr)
-                runs[name] = stage(work / f"{name}.json",
-                                   lambda g=g, loader=loader, lr=lr, name=name: train_ours(args, work, g, loader, lr, name),
-                                   made_from(args, lr=lr, shuffle_buffer_gib=g, row_loader=loader))
-                pairs.append((name, spec))
+        for g, loader, loss in itertools.product(args.ours_shuffle_buffers, args.ours_row_loaders, args.ours_losses):
+            variant = {"shuffle_buffer_gib": g, "row_loader": loader, "loss": loss}
+            name = run_name(ours_name(g, loader, loss), lr, args.lr)
+            runs[name] = stage(work / f"{name}.json",
+                               lambda variant=variant, lr=lr, name=name: train_ours(args, work, variant, lr, name),
+                               made_from(args, lr=lr, **variant))
+            pairs.append((name, spec))
         runs[spec] = stage(work / f"{spec}.json", lambda lr=lr, spec=spec: train_speculators(args, work, manifest, lr, spec),
                            made_from(args, lr=lr, **spec_settings))
     if args.spec_defaults:  # once: its learning rate is its own

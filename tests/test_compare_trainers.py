@@ -214,6 +214,10 @@ def test_our_trainer_runs_once_per_shuffle_buffer_and_both_once_per_learning_rat
     assert args_for(run, tmp_path, **{"--lr": "0.002,0.001,0.002"}).lr == [0.001, 0.002]
     assert [ct.ours_name(g) for g in (0, 4, 0.5)] == ["ours", "ours-buf4", "ours-buf0.5"]
     assert ct.ours_name(4, "process") == "ours-buf4-process"
+    assert ct.ours_name(4, "thread", "lk_hybrid") == "ours-buf4-lk_hybrid"
+    assert args_for(run, tmp_path).ours_losses == ["kl_div"]
+    assert args_for(run, tmp_path, **{"--ours-losses": "lk_hybrid,kl_div,lk_hybrid"}).ours_losses == [
+        "lk_hybrid", "kl_div"]
     assert args_for(run, tmp_path, **{"--ours-row-loaders": "process,thread,process"}).ours_row_loaders == [
         "process", "thread"]
     # one rate: the names of a single comparison; a grid: each run names its rate
@@ -221,7 +225,7 @@ def test_our_trainer_runs_once_per_shuffle_buffer_and_both_once_per_learning_rat
     assert [ct.run_name("speculators", lr, [0.001, 0.0015]) for lr in (0.001, 0.0015)] == [
         "speculators@lr0.001", "speculators@lr0.0015"]
     for flag, bad in (("--ours-shuffle-buffers", "-1,4"), ("--ours-shuffle-buffers", "x"), ("--lr", "0,0.001"),
-                      ("--lr", "1e-3,fast"), ("--ours-row-loaders", "thread,auto")):
+                      ("--lr", "1e-3,fast"), ("--ours-row-loaders", "thread,auto"), ("--ours-losses", "kl_div,kl")):
         with pytest.raises(SystemExit):
             args_for(run, tmp_path, **{flag: bad})
         assert flag in capsys.readouterr().err
@@ -280,7 +284,7 @@ def test_main_runs_the_grid_interleaved_and_resumes(run, tmp_path, monkeypatch, 
     """main() end to end with the trainers and the evaluator stood in (they need CUDA): run order,
     names, the JSON, the report; a second call reuses every stage."""
     order = []
-    def train_ours(args, work, g, loader, lr, name):
+    def train_ours(args, work, variant, lr, name):
         order.append(name)
         return {"lr": lr, "draft": f"{work}/{name}/ckpt", "steps": args.steps, "tokens_per_step": 60.0,
                 "ms_per_step": 30.0 + 1000 * lr}
@@ -328,3 +332,9 @@ def test_main_runs_the_grid_interleaved_and_resumes(run, tmp_path, monkeypatch, 
     ct.main([*argv[:-6], "--steps", "8", "--lr", "0.0015,0.001", "--ours-shuffle-buffers", "4"])  # other steps
     assert order[10:] == [f"{name}@lr{lr}" for lr in ("0.001", "0.0015") for name in ("ours-buf4", "speculators")]
     assert json.loads((tmp_path / "o.json").read_text())["runs"]["speculators@lr0.001"]["made_from"]["steps"] == 8
+    del order[10:]
+    ct.main([*argv[:-6], "--lr", "0.0015", "--ours-shuffle-buffers", "4", "--ours-losses", "kl_div,lk_hybrid"])
+    assert order[10:] == ["ours-buf4", "ours-buf4-lk_hybrid", "speculators"]
+    out = json.loads((tmp_path / "o.json").read_text())
+    assert out["runs"]["ours-buf4-lk_hybrid"]["made_from"]["loss"] == "lk_hybrid"
+    assert list(out["ratios"]) == ["ours-buf4 / speculators", "ours-buf4-lk_hybrid / speculators"]

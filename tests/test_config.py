@@ -197,3 +197,14 @@ def test_a_target_rope_the_draft_cannot_be_served_with_is_refused_before_trainin
         (error,) = errors
         assert error.startswith(f"config key target.model = '{model}' cannot get a draft vLLM serves as trained")
         assert refused in error
+
+
+def test_every_offered_loss_is_one_speculators_resolves():
+    from speculators.losses import resolve_loss_config
+
+    from eaglepipe.draft_model import LOSS_IMPLEMENTATION
+
+    offered = load_schema(SCHEMA)["properties"]["train"]["properties"]["loss"]["enum"]
+    assert {"kl_div", "lk_hybrid", "tv"} <= set(offered)
+    for name in offered:
+        assert list(resolve_loss_config(name, LOSS_IMPLEMENTATION)) == [name]
