@@ -134,9 +134,11 @@ case "${1:-}" in
     [ -f "$W/serve.log" ] && { echo "--- serve"; grep -E "^benchmark_serving:|speedup|Error" "$W/serve.log" | tail -n 8; }
     [ -f "$W/beside.log" ] && { echo "--- beside"; tail -n 5 "$W/beside.log"; }
     [ -f "$W/then.log" ] && { echo "--- then"; tail -n 12 "$W/then.log"; }
-    # RUNS=" ": only BESIDE and THEN ran
+    # RUNS=" ": only BESIDE and THEN ran. The runs' own serving shared the GPU when they ran at once
+    # (or beside the MLA check); a BESIDE job may have ended before it: say so in the note
+    shared=; [ "$(echo $RUNS | wc -w)" -gt 1 ] || [ "${MLA:-0}" = 1 ] && shared=--shared-gpu
     [ -n "${RUNS// /}" ] && python3 benchmarks/regenerate_table.py $(for r in $RUNS; do echo "results/$r"; done) \
-      --shared-gpu --serving "$W"/serving_*.json --json "$W/table.json" 2>&1 | tee "$W/table.md"
+      $shared --serving "$W"/serving_*.json --json "$W/table.json" 2>&1 | tee "$W/table.md"
     if [ -n "${OUT:-}" ]; then
       cp "$W/table.md" "$W/table.json" "$OUT/" 2>/dev/null
       tar -czf "$OUT/regen_table.tgz" --ignore-failed-read "$W"/*.log "$W"/*.json "$W/mla" "$W/then-out" \
