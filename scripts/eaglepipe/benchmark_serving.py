@@ -35,13 +35,12 @@ from collections import Counter
 from pathlib import Path
 
 from .atomic import atomic_path, write_json
-from .serving_sweep import (CONVENTION, counter_delta, explain_divergences, parity_samples, recommend,
-                            spec_counters, sweep_rows, window_done, window_requests)
+from .serving_sweep import (CONVENTION, PARITY_CONCURRENCY, counter_delta, explain_divergences, parity_samples,
+                            recommend, spec_counters, sweep_rows, window_done, window_requests)
 from .tokenized_samples import iter_prepared
 from .vllm_env import add_kv_cache_argument, kv_cache_kwargs, set_vllm_env_defaults
 
 ENGINE_WARMUP_TOKENS = 16
-PARITY_CONCURRENCY = 1
 NEAR_TIE_NOTE = ("near_tie: the target's top-2 raw-logit margin at the first difference is at most "
                  "near_tie_ulps units in the last place of the logit dtype at the top logit (two roundings "
                  "of each logit plus one of the final hidden state), and the other run took the second token")

@@ -75,12 +75,15 @@ def window_done(seconds: float, output_tokens: int, finished: int, finished_this
             and finished >= min_requests)
 
 
+PARITY_CONCURRENCY = 1  # the window the parity check replays: requests one after the other
+
+
 def window_requests(k: int | None, concurrency: int, parity_k: int, parity_requests: int) -> int:
     """The requests a window must finish (besides its seconds and tokens): ``parity_requests`` in the
     concurrency-1 windows of the target alone and of the parity K, none elsewhere. With every prompt
     once (benchmark_serving's default) the parity K is measured on the prompts the offline estimate
     holds, and its speedup compares the same requests."""
-    return parity_requests if concurrency == 1 and k in (None, parity_k) else 0
+    return parity_requests if concurrency == PARITY_CONCURRENCY and k in (None, parity_k) else 0
 
 
 def point_row(concurrency: int, k: int | None, window: dict) -> dict:
