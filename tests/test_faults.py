@@ -66,7 +66,7 @@ def test_killed_training_after_a_setting_change_reruns_to_the_uninterrupted_resu
     assert rerun.returncode != 0 and "a delivered draft is never overwritten, delete it on purpose" in export_log
     shutil.rmtree(faulted / "results/tiny/draft")
     snakemake(faulted)
-    assert differences(faulted / "results/tiny", reference / "results/tiny") == []
+    assert not (found := differences(faulted / "results/tiny", reference / "results/tiny")), "\n".join(found)
 
 
 HOLD = "import sys, time; from eaglepipe.dir_lock import dir_lock\nwith dir_lock(sys.argv[1]):\n    print('held', flush=True); time.sleep(600)"

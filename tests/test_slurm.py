@@ -151,7 +151,7 @@ def test_every_job_ran_on_slurm(runs):
 def test_slurm_outputs_equal_a_local_run(runs):
     """Shards (the manifest's checksums), draft tensors, metrics and offline evaluation."""
     local, cluster, _ = runs
-    assert differences(cluster / "results/tiny", local / "results/tiny") == []
+    assert not (found := differences(cluster / "results/tiny", local / "results/tiny")), "\n".join(found)
 
 
 def test_gpu_extraction_asks_the_gpu_partition_for_tp_gpus(runs, tmp_path):
@@ -216,4 +216,4 @@ def test_cancelled_training_job_resumes(runs, tmp_path):
     assert resumed, log[-2000:]
     assert f"step-{resumed.group(1)}" == kept[-1].parent.name
     assert 0 < int(resumed.group(2)) < TRAIN["max_steps"]
-    assert differences(ws / "results/tiny", local / "results/tiny") == []
+    assert not (found := differences(ws / "results/tiny", local / "results/tiny")), "\n".join(found)
