@@ -156,10 +156,10 @@ def differences(run: Path, reference: Path) -> list[str]:
         lines = (r / "train/metrics.jsonl").read_text().splitlines()
         return [{k: v for k, v in json.loads(x).items() if k not in TIMING} for x in lines]
 
-    if rows(run) != rows(reference):
-        first = next((a for a, b in zip(rows(run), rows(reference)) if a != b), None)
-        found.append(f"train/metrics.jsonl: {len(rows(run))} rows vs {len(rows(reference))}, not the same; "
-                     f"first differing row {first}")
+    got, want = rows(run), rows(reference)
+    if got != want:
+        first = next((a for a, b in zip(got, want) if a != b), None)
+        found.append(f"train/metrics.jsonl: {len(got)} rows vs {len(want)}, not the same; first differing row {first}")
     for name, key in (("eval/offline.json", None), ("hidden_states/manifest.json", "splits")):
         a, b = (json.loads((r / name).read_text()) for r in (run, reference))
         if (a if key is None else a[key]) != (b if key is None else b[key]):
