@@ -356,8 +356,8 @@ def grid(runs: dict) -> dict:
         best[trainer] = {"lr": top["lr"], "acceptance_length": top["acceptance_length"], "runs": len(rs),
                          "ms_per_step_median": round(statistics.median(ms), 3) if ms else None,
                          "ms_per_step_range": [min(ms), max(ms)] if ms else None}
-    def over(base: str) -> dict:
-        return {t: {"acceptance_length": ratio(b["acceptance_length"], best[base]["acceptance_length"]),
+    def over(base: str) -> dict:  # none before the base has run (a comparison cut short)
+        return {} if base not in best else {t: {"acceptance_length": ratio(b["acceptance_length"], best[base]["acceptance_length"]),
                     "ms_per_step": ratio(b["ms_per_step_median"], best[base]["ms_per_step_median"])}
                 for t, b in best.items() if t.startswith("ours")}
 
@@ -467,24 +467,12 @@ def main(argv=None) -> None:
     work.mkdir(parents=True, exist_ok=True)
     runs, pairs = {}, []
     spec_settings = {"spec_workers": args.spec_workers, "spec_hidden_states_dtype": args.spec_hidden_states_dtype}
-    for lr in args.lr:  # interleaved, so a drift of the machine's speed hits both trainers
-        spec = run_name("speculators", lr, args.lr)
-        for g, loader, loss in itertools.product(args.ours_shuffle_buffers, args.ours_row_loaders, args.ours_losses):
-            variant = {"shuffle_buffer_gib": g, "row_loader": loader, "loss": loss}
-            name = run_name(ours_name(g, loader, loss), lr, args.lr)
-            runs[name] = stage(work / f"{name}.json",
-                               lambda variant=variant, lr=lr, name=name: train_ours(args, work, variant, lr, name),
-                               made_from(args, lr=lr, **variant))
-            pairs.append((name, spec))
-        runs[spec] = stage(work / f"{spec}.json", lambda lr=lr, spec=spec: train_speculators(args, work, manifest, lr, spec),
-                           made_from(args, lr=lr, **spec_settings))
-    if args.spec_defaults:  # once: its learning rate is its own
-        runs[SPEC_DEFAULTS] = stage(work / f"{SPEC_DEFAULTS}.json",
-                                    lambda: train_speculators(args, work, manifest, None, SPEC_DEFAULTS),
-                                    made_from(args, lr=None, **spec_settings))
-        pairs += [(name, SPEC_DEFAULTS) for name in runs if name.startswith("ours")]
-    for name, r in runs.items():
-        ev = stage(work / f"eval_{name}_summary.json", lambda r=r, name=name: evaluate(args, work, name, r["draft"]),
+
+    def measure(name: str, train, settings: dict) -> None:
+        """Train (or reuse) one run and score it at once, then write every run measured so far: a
+        comparison cut by a deadline keeps what it finished."""
+        r = runs[name] = stage(work / f"{name}.json", train, settings)
+        ev = stage(work / f"eval_{name}_summary.json", lambda: evaluate(args, work, name, r["draft"]),
                    {"draft": r["draft"], "made_from": r["made_from"], "k": args.k})
         r.update(acceptance_length=ev["acceptance_length"], per_position_acceptance=ev["per_position_acceptance"],
                  eval_anchors=ev["anchors"], eval_tokens=ev["tokens_evaluated"],
@@ -492,11 +480,30 @@ def main(argv=None) -> None:
                  if r["tokens_per_step"] and r["ms_per_step"] else None)
         if r["steps"] != args.steps:
             print(f"warning: {name} ran {r['steps']} steps, asked {args.steps}", file=sys.stderr)
-    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    settings.update(layer_ids=manifest["layer_ids"], gpu=torch.cuda.get_device_name(0), torch=torch.__version__)
-    results = {"runs": runs, "ratios": {f"{a} / {b}": ratios(runs[a], runs[b]) for a, b in pairs},
-               "grid": grid(runs), "settings": settings}
-    write_json(args.json, results)
+        write_json(args.json, so_far())
+
+    def so_far() -> dict:
+        settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+        settings.update(layer_ids=manifest["layer_ids"], gpu=torch.cuda.get_device_name(0), torch=torch.__version__)
+        return {"runs": runs, "ratios": {f"{a} / {b}": ratios(runs[a], runs[b]) for a, b in pairs
+                                         if a in runs and b in runs},
+                "grid": grid(runs), "settings": settings}
+
+    for lr in args.lr:  # interleaved, so a drift of the machine's speed hits both trainers
+        spec = run_name("speculators", lr, args.lr)
+        for g, loader, loss in itertools.product(args.ours_shuffle_buffers, args.ours_row_loaders, args.ours_losses):
+            variant = {"shuffle_buffer_gib": g, "row_loader": loader, "loss": loss}
+            name = run_name(ours_name(g, loader, loss), lr, args.lr)
+            measure(name, lambda variant=variant, lr=lr, name=name: train_ours(args, work, variant, lr, name),
+                    made_from(args, lr=lr, **variant))
+            pairs.append((name, spec))
+        measure(spec, lambda lr=lr, spec=spec: train_speculators(args, work, manifest, lr, spec),
+                made_from(args, lr=lr, **spec_settings))
+    if args.spec_defaults:  # once: its learning rate is its own
+        pairs += [(name, SPEC_DEFAULTS) for name in runs if name.startswith("ours")]
+        measure(SPEC_DEFAULTS, lambda: train_speculators(args, work, manifest, None, SPEC_DEFAULTS),
+                made_from(args, lr=None, **spec_settings))
+    results = so_far()  # as last written
     print(report(results))
     for name, r in runs.items():
         print(f"FINAL_OFFLINE_AL {name} {r['acceptance_length']} (k={args.k})")

@@ -15,7 +15,9 @@
 #       device calls can lose it); BESIDE="cmd" starts once the target is built, beside the runs, logging
 #       to results/regen-table/beside.log (e.g. BESIDE="bash benchmarks/gpu_long_context.sh _chain": its
 #       own target build would contend for Snakemake's lock); THEN waits for it too (its timings need
-#       the GPU alone).
+#       the GPU alone). A comparison whose WORK is a folder of results/regen-table (e.g. BESIDE's
+#       "WORK=$PWD/results/regen-table/cmp bash benchmarks/gpu_compare_trainers.sh run-of long1k", for its
+#       AL only: beside other jobs its ms/step mean nothing) comes back as far as it got (compare.json).
 #   bash benchmarks/gpu_regenerate_table.sh serve RUN...   detached: benchmark_serving alone on the GPU
 #       for each run's draft (K 2-4, concurrency 1 and 4), one after the other.
 #   bash benchmarks/gpu_regenerate_table.sh status [WAIT_S]   waits up to WAIT_S s while anything runs,
@@ -142,6 +144,7 @@ case "${1:-}" in
     if [ -n "${OUT:-}" ]; then
       cp "$W/table.md" "$W/table.json" "$OUT/" 2>/dev/null
       tar -czf "$OUT/regen_table.tgz" --ignore-failed-read "$W"/*.log "$W"/*.json "$W/mla" "$W/then-out" \
+        "$W"/*/compare.json "$W"/*/summary.txt \
         $(for r in $RUNS; do echo "results/$r/logs results/$r/benchmarks results/$r/regenerated/stats.json \
           results/$r/regenerated/eval_prompts_stats.json results/$r/data/stats.json results/$r/eval \
           results/$r/train/metrics.jsonl results/$r/train/summary.json results/$r/draft/config.json"; done) 2>/dev/null

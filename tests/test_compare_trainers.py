@@ -338,3 +338,24 @@ def test_main_runs_the_grid_interleaved_and_resumes(run, tmp_path, monkeypatch, 
     out = json.loads((tmp_path / "o.json").read_text())
     assert out["runs"]["ours-buf4-lk_hybrid"]["made_from"]["loss"] == "lk_hybrid"
     assert list(out["ratios"]) == ["ours-buf4 / speculators", "ours-buf4-lk_hybrid / speculators"]
+
+
+def test_a_comparison_cut_short_keeps_the_runs_it_finished_scored(run, tmp_path, monkeypatch):
+    """Each run is scored right after its training and the JSON rewritten: a deadline that kills the
+    comparison during speculators' run still leaves our run with its AL."""
+    def train_ours(args, work, variant, lr, name):
+        return {"lr": lr, "draft": f"{work}/{name}/ckpt", "steps": args.steps, "tokens_per_step": 60.0, "ms_per_step": 30.0}
+    def cut(*a):
+        raise KeyboardInterrupt  # what the deadline's SIGTERM/SIGINT looks like mid-run
+    monkeypatch.setattr(ct, "train_ours", train_ours)
+    monkeypatch.setattr(ct, "train_speculators", cut)
+    monkeypatch.setattr(ct, "evaluate", lambda args, work, name, draft: {
+        "acceptance_length": 1.7, "per_position_acceptance": [0.5, 0.3, 0.2], "anchors": 9, "tokens_evaluated": 99})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "stand-in GPU")
+    with pytest.raises(KeyboardInterrupt):
+        ct.main(["--manifest", str(run["manifest"]), "--vocab", str(run["vocab"]), "--model", str(run["model"]),
+                 "--work", str(tmp_path / "w"), "--json", str(tmp_path / "o.json"), "--steps", "7"])
+    out = json.loads((tmp_path / "o.json").read_text())
+    assert list(out["runs"]) == ["ours"] and out["runs"]["ours"]["acceptance_length"] == 1.7
+    assert out["ratios"] == {} and out["grid"]["over_speculators"] == {}
