@@ -56,7 +56,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 from eaglepipe.atomic import read_json_object, write_json  # noqa: E402
 from eaglepipe.draft_model import LOSS_IMPLEMENTATION  # noqa: E402
-from eaglepipe.packed_data import ROW_LOADERS  # noqa: E402
+from eaglepipe.packed_data import GLOBAL, ROW_LOADERS, shuffle_buffer  # noqa: E402
 from eaglepipe.shards import load_manifest, read_shard, shard_paths  # noqa: E402
 
 SPEC_CHILD = "--speculators-child"  # internal: run speculators' trainer in this (child) process
@@ -267,8 +267,8 @@ def made_from(args, **run) -> dict:
             "seed": args.seed, **run}
 
 
-def ours_name(buffer_gib: float, row_loader: str = "thread", loss: str = "kl_div") -> str:
-    return (("ours" if buffer_gib == 0 else f"ours-buf{buffer_gib:g}") + ("" if row_loader == "thread" else f"-{row_loader}")
+def ours_name(buffer_gib: float | str, row_loader: str = "thread", loss: str = "kl_div") -> str:
+    return (("ours" if buffer_gib == 0 else f"ours-{GLOBAL}" if buffer_gib == GLOBAL else f"ours-buf{buffer_gib:g}") + ("" if row_loader == "thread" else f"-{row_loader}")
             + ("" if loss == "kl_div" else f"-{loss}"))
 
 
@@ -286,7 +286,7 @@ def train_ours(args, work: Path, variant: dict, lr: float, name: str) -> dict:
            "--model", str(args.model), "--out-dir", str(out), "--ttt-steps", str(args.ttt_steps),
            "--ttt-step-loss-decay", "1.0", "--lr", repr(lr), "--weight-decay", "0.0",
            "--warmup-steps", str(args.warmup_steps), "--max-steps", str(args.steps),
-           "--batch-tokens", str(args.batch_tokens), "--shuffle-buffer-gib", repr(variant["shuffle_buffer_gib"]),
+           "--batch-tokens", str(args.batch_tokens), "--shuffle-buffer-gib", str(variant["shuffle_buffer_gib"]),
            "--row-loader", variant["row_loader"], "--eval-every", str(args.steps),
            "--checkpoint-every", str(args.steps), "--loss", variant["loss"], "--seed", str(args.seed)]
     wall = run_logged(cmd, work / f"{name}_train.log", {"PYTHONPATH": pythonpath()})
@@ -392,15 +392,24 @@ def report(results: dict) -> str:
     return "\n".join(lines)
 
 
-def parse_list(p: argparse.ArgumentParser, flag: str, text: str, minimum: float, strict: bool) -> list[float]:
-    """A comma-separated list of numbers, sorted, duplicates dropped; each > (strict) or >= minimum."""
+def parse_rates(p: argparse.ArgumentParser, text: str) -> list[float]:
+    """--lr: comma-separated numbers > 0, sorted, duplicates dropped."""
     try:
         values = sorted({float(v) for v in text.split(",")})
     except ValueError:
-        p.error(f"{flag} {text}: comma-separated numbers, e.g. {'0.001,0.0015' if strict else '0,4'}")
-    if values[0] < minimum or (strict and values[0] == minimum):
-        p.error(f"{flag} {text}: each must be {'>' if strict else '>='} {minimum:g}")
+        p.error(f"--lr {text}: comma-separated numbers, e.g. 0.001,0.0015")
+    if not values[0] > 0:
+        p.error(f"--lr {text}: each must be > 0")
     return values
+
+
+def parse_buffers(p: argparse.ArgumentParser, text: str) -> list[float | str]:
+    """--ours-shuffle-buffers: train_draft --shuffle-buffer-gib values, numbers sorted, then global."""
+    try:
+        values = {shuffle_buffer(v) for v in text.split(",")}
+    except argparse.ArgumentTypeError as e:
+        p.error(f"--ours-shuffle-buffers {text}: {e}")
+    return sorted(v for v in values if v != GLOBAL) + [GLOBAL] * (GLOBAL in values)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -420,9 +429,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--spec-workers", type=int, default=8, help="speculators' DataLoader workers")
     p.add_argument("--spec-hidden-states-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--warmup-report", type=int, default=20, help="steps left out of the median ms/step")
-    p.add_argument("--ours-shuffle-buffers", default="0",
-                   help="our trainer once per train.shuffle_buffer_gib, e.g. 0,4 (rows ours: each shard alone, "
-                        "as speculators' own shuffle is not; ours-buf4)")
+    p.add_argument("--ours-shuffle-buffers", default=GLOBAL,
+                   help=f"our trainer once per train.shuffle_buffer_gib, e.g. 0,4,{GLOBAL} (rows ours: each shard "
+                        f"alone; ours-buf4; ours-{GLOBAL}, one permutation of the split as speculators' sampler)")
     p.add_argument("--ours-row-loaders", default="thread",
                    help="our trainer once per train_draft --row-loader, e.g. thread,process (rows ours-buf4, "
                         "ours-buf4-process)")
@@ -437,8 +446,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("steps", "batch_tokens", "ttt_steps", "k"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
-    args.lr = parse_list(p, "--lr", args.lr, 0, strict=True)
-    args.ours_shuffle_buffers = parse_list(p, "--ours-shuffle-buffers", args.ours_shuffle_buffers, 0, strict=False)
+    args.lr = parse_rates(p, args.lr)
+    args.ours_shuffle_buffers = parse_buffers(p, args.ours_shuffle_buffers)
     args.ours_row_loaders = list(dict.fromkeys(args.ours_row_loaders.split(",")))
     if unknown := [r for r in args.ours_row_loaders if r not in ROW_LOADERS]:
         p.error(f"--ours-row-loaders {','.join(unknown)}: each one of {', '.join(ROW_LOADERS)}")

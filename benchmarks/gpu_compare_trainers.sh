@@ -34,7 +34,7 @@
 # --too-long truncate --eval-fraction 0.03 --seed 0`, then gzip of the two JSONL files.
 # Settings below: env STEPS, BATCH_TOKENS, LR (one rate, or a comma-separated grid that both trainers
 # run, interleaved: LR=0.001,0.0015,0.002), WARMUP, DRAFT_VOCAB, EXTRACT_BATCH, MAX_SAMPLES (per
-# split, default all), DEADLINE_S (compare ends by then, default 570), OURS_BUFFERS (default 0,4),
+# split, default all), DEADLINE_S (compare ends by then, default 570), OURS_BUFFERS (default global),
 # ROW_LOADERS (train_draft --row-loader of our runs, default thread; thread,process runs both),
 # OURS_LOSSES (train.loss of our runs, default kl_div; kl_div,lk_hybrid runs both), SPEC_DEFAULTS=1 (also
 # speculators at its own optimizer, rate and schedule: Muon, 1e-3, linear).
@@ -48,7 +48,7 @@ mkdir -p "$W" "$O"
 export PYTHONPATH="/tmp/site:/tmp/pkg:$REPO/scripts" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 STEPS=${STEPS:-1000} BATCH_TOKENS=${BATCH_TOKENS:-8192} LR=${LR:-0.001} WARMUP=${WARMUP:-50}
 DRAFT_VOCAB=${DRAFT_VOCAB:-16384} EXTRACT_BATCH=${EXTRACT_BATCH:-64}
-OURS_BUFFERS=${OURS_BUFFERS:-0,4}   # our trainer once per train.shuffle_buffer_gib (rows ours, ours-buf4)
+OURS_BUFFERS=${OURS_BUFFERS:-global}  # our trainer once per train.shuffle_buffer_gib (rows ours-global; 0,4: ours, ours-buf4)
 ROW_LOADERS=${ROW_LOADERS:-thread}  # ... and per row loader (rows ours-buf4, ours-buf4-process)
 OURS_LOSSES=${OURS_LOSSES:-kl_div}  # ... and per train.loss (rows ours-buf4, ours-buf4-lk_hybrid)
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf   # build_target.py RECIPES["smollm2-gguf"]

@@ -209,10 +209,10 @@ def test_refuses_to_run_without_cuda(run, tmp_path, monkeypatch):
 
 
 def test_our_trainer_runs_once_per_shuffle_buffer_and_both_once_per_learning_rate(run, tmp_path, capsys):
-    assert args_for(run, tmp_path).ours_shuffle_buffers == [0]
-    assert args_for(run, tmp_path, **{"--ours-shuffle-buffers": "4,0,4"}).ours_shuffle_buffers == [0, 4]
+    assert args_for(run, tmp_path).ours_shuffle_buffers == ["global"]
+    assert args_for(run, tmp_path, **{"--ours-shuffle-buffers": "global,4,0,4"}).ours_shuffle_buffers == [0, 4, "global"]
     assert args_for(run, tmp_path, **{"--lr": "0.002,0.001,0.002"}).lr == [0.001, 0.002]
-    assert [ct.ours_name(g) for g in (0, 4, 0.5)] == ["ours", "ours-buf4", "ours-buf0.5"]
+    assert [ct.ours_name(g) for g in (0, 4, 0.5, "global")] == ["ours", "ours-buf4", "ours-buf0.5", "ours-global"]
     assert ct.ours_name(4, "process") == "ours-buf4-process"
     assert ct.ours_name(4, "thread", "lk_hybrid") == "ours-buf4-lk_hybrid"
     assert args_for(run, tmp_path).ours_losses == ["kl_div"]
@@ -357,5 +357,5 @@ def test_a_comparison_cut_short_keeps_the_runs_it_finished_scored(run, tmp_path,
         ct.main(["--manifest", str(run["manifest"]), "--vocab", str(run["vocab"]), "--model", str(run["model"]),
                  "--work", str(tmp_path / "w"), "--json", str(tmp_path / "o.json"), "--steps", "7"])
     out = json.loads((tmp_path / "o.json").read_text())
-    assert list(out["runs"]) == ["ours"] and out["runs"]["ours"]["acceptance_length"] == 1.7
+    assert list(out["runs"]) == ["ours-global"] and out["runs"]["ours-global"]["acceptance_length"] == 1.7
     assert out["ratios"] == {} and out["grid"]["over_speculators"] == {}

@@ -83,6 +83,8 @@ def test_kimi_preset_is_the_real_plan():
         ({"extract": {"layer_ids": [0, 2, 4, 6]}}, "extract.layer_ids.0 = 0", ">= 1"),
         ({"extract": {"layer_ids": [4, 2, 6, 8]}}, "extract.layer_ids = [4, 2, 6, 8]", "ascending"),
         ({"train": {"lr": -1}}, "train.lr = -1", "> 0"),
+        ({"train": {"shuffle_buffer_gib": -1}}, "train.shuffle_buffer_gib = -1", "'global' or a number >= 0"),
+        ({"train": {"shuffle_buffer_gib": "all"}}, "train.shuffle_buffer_gib = 'all'", "'global' or a number >= 0"),
         ({"data": {"eval_fraction": 1.5}}, "data.eval_fraction = 1.5", "< 1"),
         ({"run_name": "a b"}, "run_name = 'a b'", "matching"),
         ({"extract": {"batchsize": 3}}, "extract.batchsize is not a known setting", "batch_size"),

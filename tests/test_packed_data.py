@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from eaglepipe import packed_data
 from eaglepipe.packed_data import ROW_LOADERS, PackedRows, check_row_loader, shuffle_window
 from eaglepipe.shards import load_manifest, read_shard, write_manifest, write_shard
 
@@ -108,7 +109,8 @@ def categorize(manifest_path: Path, names: list) -> None:
     Path(manifest_path).write_text(json.dumps(m))
 
 
-def random_manifest(tmp: Path, lengths: list[list[int]], layers: int = 3, hidden: int = 8) -> dict:
+def random_manifest(tmp: Path, lengths: list[list[int]], layers: int = 3, hidden: int = 8,
+                    storage: str = "model") -> dict:
     """Shards of random states with given per-shard sample lengths; token id = global token counter."""
     rows, counter, sample = [], 0, 0
     for si, lens in enumerate(lengths):
@@ -116,10 +118,11 @@ def random_manifest(tmp: Path, lengths: list[list[int]], layers: int = 3, hidden
         rows.append(write_shard(
             tmp / "shards" / f"train-{si:06d}.safetensors", torch.randn(T, layers, hidden),
             torch.arange(counter, counter + T), torch.ones(T), torch.arange(sample, sample + len(lens)),
-            torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()]), {"layer_ids": list(range(1, layers + 1))}))
+            torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()]), {"layer_ids": list(range(1, layers + 1))},
+            storage_dtype=storage))
         counter += T
         sample += len(lens)
-    m = {"layer_ids": list(range(1, layers + 1)), "shard_dir": "shards",
+    m = {"layer_ids": list(range(1, layers + 1)), "shard_dir": "shards", "storage_dtype": storage,
          "target": {"num_hidden_layers": layers, "hidden_size": hidden},
          "splits": {"train": {"shards": rows}}}
     write_manifest(tmp / "manifest.json", m)
@@ -258,6 +261,40 @@ def test_the_shuffle_window_is_the_shards_a_memory_budget_holds(tmp_path):
     assert shuffle_window(m, "train", 3 * largest / 2**30) == 1 and shuffle_window(m, "train", 4 * largest / 2**30) == 2
 
 
+@pytest.mark.parametrize("storage", ["model", "fp8"])
+def test_a_global_shuffle_is_the_every_shard_window_read_sample_by_sample(tmp_path, monkeypatch, storage):
+    """shuffle_window None: the plan of a window of every shard, the same rows bit for bit, but no
+    whole shard is held: each sample's bytes are read from its memory map, at most OPEN_SHARDS open."""
+    monkeypatch.setattr(packed_data, "OPEN_SHARDS", 2)
+    lengths = [[4, 5, 3], [6, 2, 2], [7, 3], [2, 5]]
+    m = random_manifest(tmp_path, lengths, storage=storage)
+    every = PackedRows(m, "train", batch_tokens=9, seed=3, shuffle_window=len(lengths))
+    whole = PackedRows(m, "train", batch_tokens=9, seed=3, shuffle_window=None)
+    assert shuffle_window(m, "train", "global") is None
+    assert [list(whole.plan(e)) for e in (0, 1)] == [list(every.plan(e)) for e in (0, 1)]
+    per_epoch = len(list(every.plan(0)))
+    a, b = every.stream(), whole.stream()
+    for _ in range(per_epoch + 2):  # into the second epoch
+        (pos_a, row_a), (pos_b, row_b) = next(a), next(b)
+        assert pos_a == pos_b and all(torch.equal(row_a[k], row_b[k]) for k in row_a if k != "categories")
+        assert not whole._cached and 0 < len(whole._open) <= 2
+    resumed = PackedRows(m, "train", batch_tokens=9, seed=3, shuffle_window=None).stream(*pos_b)
+    assert torch.equal(next(resumed)[1]["hidden_states"], next(b)[1]["hidden_states"])
+    # evaluation rows (no shuffle) read whole shards, one at a time, as before
+    assert not PackedRows(m, "train", 9, shuffle=False, shuffle_window=None).sample_reads
+
+
+def test_a_global_shuffle_checks_each_shard_it_opens(tmp_path):
+    m = random_manifest(tmp_path, [[4, 4], [3, 5]])
+    m["layer_ids"] = [1, 2, 3, 4]
+    with pytest.raises(SystemExit, match="hidden_states has 3 layers, the manifest lists 4"):
+        next(PackedRows(m, "train", 8, shuffle_window=None).stream())
+    m = random_manifest(tmp_path / "other", [[4, 4]])
+    m["settings"] = {"digest": "of-the-manifest"}
+    with pytest.raises(SystemExit, match="was made with other settings"):
+        next(PackedRows(m, "train", 8, shuffle_window=None).stream())
+
+
 def test_a_shuffle_window_below_one_is_refused(tmp_path):
     m = random_manifest(tmp_path, [[4, 5]])
     with pytest.raises(ValueError, match="shuffle_window 0"):
@@ -363,12 +400,16 @@ def test_gpu_training_rows_are_bf16_and_train_as_the_fp32_rows_do(tmp_path, tiny
         assert loss(r) == pytest.approx(loss(p), rel=1e-3)  # measured: within 3e-4
 
 
+@pytest.mark.parametrize("window", [2, None])
 @pytest.mark.parametrize("loader", ROW_LOADERS)
-def test_rows_packed_ahead_are_the_streams_rows_from_any_position(tmp_path, loader):
+def test_rows_packed_ahead_are_the_streams_rows_from_any_position(tmp_path, loader, window):
     m = random_manifest(tmp_path, [[4, 5, 3], [6, 2, 2], [7, 3]])
     m["splits"]["train"]["shards"][0]["categories"] = ["a", None, "b"]
-    expected = list(zip(range(9), PackedRows(m, "train", batch_tokens=9, seed=1, shuffle_window=2, pad_to=12).stream(0, 2)))
-    ahead = PackedRows(m, "train", batch_tokens=9, seed=1, shuffle_window=2, pad_to=12).prefetched(loader, 0, 2)
+    expected = list(zip(range(9), PackedRows(m, "train", batch_tokens=9, seed=1, shuffle_window=window,
+                                             pad_to=12).stream(0, 2)))
+    rows = PackedRows(m, "train", batch_tokens=9, seed=1, shuffle_window=window, pad_to=12)
+    next(rows.stream())  # memory maps already open here must not travel to a worker process
+    ahead = rows.prefetched(loader, 0, 2)
     got = [next(ahead) for _ in range(9)]
     ahead.close()
     assert [pos for _, (pos, _) in expected] == [pos for pos, _ in got]  # crosses an epoch: resume positions travel

@@ -188,9 +188,15 @@ def test_best_checkpoint_chosen_by_a_category_stratum(tiny_llama, tmp_path):
         train_draft.train(train_draft.parse_args(argv(run, tmp_path / "bad", select_by="category:math")))
 
 
-def test_bad_flags_and_inputs_are_clear_errors(run, tmp_path):
+def test_bad_flags_and_inputs_are_clear_errors(run, tmp_path, capsys):
     with pytest.raises(SystemExit):
         train_draft.parse_args(argv(run, tmp_path, max_steps=0))
+    assert train_draft.parse_args(argv(run, tmp_path)).shuffle_buffer_gib == "global"  # the default
+    assert train_draft.parse_args([*argv(run, tmp_path), "--shuffle-buffer-gib", "4"]).shuffle_buffer_gib == 4.0
+    for bad in ("-1", "all", "nan"):
+        with pytest.raises(SystemExit):
+            train_draft.parse_args([*argv(run, tmp_path), "--shuffle-buffer-gib", bad])
+        assert f"'{bad}': global or a number of GiB >= 0" in capsys.readouterr().err
     bad = tmp_path / "manifest.json"
     bad.write_text("{}")
     args = argv(run, tmp_path / "o")

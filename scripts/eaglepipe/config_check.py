@@ -24,6 +24,19 @@ def _key(path) -> str:
     return ".".join(str(p) for p in path) or "(top level)"
 
 
+BOUNDS = {"minimum": ">=", "exclusiveMinimum": ">", "maximum": "<=", "exclusiveMaximum": "<"}
+
+
+def _alternative(schema: dict) -> str:
+    """One alternative of a oneOf/anyOf, in words: 'global', a number >= 0."""
+    if "const" in schema:
+        return repr(schema["const"])
+    if "enum" in schema:
+        return "one of " + ", ".join(repr(x) for x in schema["enum"])
+    bounds = [f"{word} {schema[k]}" for k, word in BOUNDS.items() if k in schema]
+    return f"a {schema.get('type', 'value')}" + "".join(f" {b}" for b in bounds)
+
+
 def _allowed(err: jsonschema.ValidationError) -> str:
     s = err.schema if isinstance(err.schema, dict) else {}
     v = err.validator
@@ -32,9 +45,10 @@ def _allowed(err: jsonschema.ValidationError) -> str:
     if v == "type":
         t = err.validator_value
         return "of type " + (" or ".join(t) if isinstance(t, list) else t)
-    if v in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
-        word = {"minimum": ">=", "exclusiveMinimum": ">", "maximum": "<=", "exclusiveMaximum": "<"}[v]
-        return f"a number {word} {err.validator_value}"
+    if v in BOUNDS:
+        return f"a number {BOUNDS[v]} {err.validator_value}"
+    if v in ("oneOf", "anyOf"):
+        return " or ".join(_alternative(alt) for alt in err.validator_value)
     if v == "additionalProperties":
         return "one of the documented keys: " + ", ".join(sorted(s.get("properties", {})))
     if v == "pattern":

@@ -9,9 +9,12 @@ the evaluation strata; it is a plain list, not a row tensor.
 
 Shuffling mixes the samples of ``shuffle_window`` consecutive shards of the epoch's shard order
 (1: each shard's own samples, in a shuffled order). A shard holds consecutive records of the data,
-often parts of one conversation, so a wider window gives each row less correlated samples, as a
-global permutation (speculators' sampler) does, at the cost of that many shards held in memory
-(``shuffle_window()`` sizes it to a memory budget).
+often parts of one conversation, so a wider window gives each row less correlated samples, at the
+cost of that many shards held in memory (``shuffle_window()`` sizes it to a memory budget).
+``shuffle_window=None`` is one permutation of the whole split (speculators' sampler): each sample
+is then read on its own from its memory-mapped shard, so memory does not grow with the data
+(H200, SmolLM2-135M, 1,000 steps: offline AL 1.793 against 1.776 for 14 of 61 shards at a time,
+the same as speculators' trainer; benchmarks/README.md).
 
 Nothing is read at start-up: an epoch's plan (shard order, sample order inside a window, packing)
 is computed lazily from the manifest, a shard's ``offsets`` are read only when the plan reaches
@@ -23,6 +26,7 @@ different world size.
 
 from __future__ import annotations
 
+import argparse
 import copy
 import functools
 import logging
@@ -34,15 +38,35 @@ import torch
 from safetensors import safe_open
 
 from .prefetch import prefetch, prefetch_in_process
-from .shards import Shard, read_shard, row_categories, shard_paths
+from .shards import Shard, open_shard, read_shard, read_tokens, row_categories, shard_paths, stored_layers
 
 log = logging.getLogger(__name__)
 
 Row = list[tuple[int, int, int]]  # (shard index, sample index in the shard, tokens used)
 
 
-def shuffle_window(manifest: dict, split: str, buffer_gib: float) -> int:
-    """The shards whose states fit in ``buffer_gib`` of memory at once (at least 1, at most all)."""
+GLOBAL = "global"  # train.shuffle_buffer_gib's value for one permutation of the whole split
+OPEN_SHARDS = 64  # memory maps kept open by a global shuffle (reopening one costs a header parse)
+
+
+def shuffle_buffer(text: str) -> float | str:
+    """A train.shuffle_buffer_gib given as text (a command-line flag): "global" or GiB >= 0."""
+    if text == GLOBAL:
+        return text
+    try:
+        gib = float(text)
+    except ValueError:
+        gib = -1.0
+    if not gib >= 0:  # nan too
+        raise argparse.ArgumentTypeError(f"{text!r}: {GLOBAL} or a number of GiB >= 0")
+    return gib
+
+
+def shuffle_window(manifest: dict, split: str, buffer_gib: float | str) -> int | None:
+    """The shards whose states fit in ``buffer_gib`` of memory at once (at least 1, at most all);
+    None for ``"global"``, one permutation of the split read sample by sample."""
+    if buffer_gib == GLOBAL:
+        return None
     rows = [row for _, row in shard_paths(manifest, split)]
     expand = 2 if manifest.get("storage_dtype") == "fp8" else 1  # fp8 states are read back dequantized
     return max(1, min(len(rows), int(buffer_gib * 2**30) // (max(row["bytes"] for row in rows) * expand)))
@@ -73,10 +97,10 @@ def check_row_loader(loader: str, row_bytes: int, depth: int = 2) -> None:
 class PackedRows:
     def __init__(self, manifest: dict, split: str, batch_tokens: int, seed: int = 0, shuffle: bool = True,
                  rank: int = 0, world_size: int = 1, dtype: torch.dtype = torch.float32, pad_to: int | None = None,
-                 pin_memory: bool = False, shuffle_window: int = 1):
+                 pin_memory: bool = False, shuffle_window: int | None = 1):
         if batch_tokens < 2:
             raise ValueError(f"batch_tokens {batch_tokens}: need at least 2 (one shifted token)")
-        if shuffle_window < 1:
+        if shuffle_window is not None and shuffle_window < 1:
             raise ValueError(f"shuffle_window {shuffle_window}: need at least 1 shard")
         self.shards = shard_paths(manifest, split)
         if not self.shards:
@@ -94,7 +118,9 @@ class PackedRows:
         self.hidden_size = manifest.get("target", {}).get("hidden_size")  # extraction records it
         self.batch_tokens = batch_tokens
         self.seed, self.shuffle = seed, shuffle
-        self.window = shuffle_window if shuffle else 1
+        # a global shuffle is one window of every shard, its samples read one at a time
+        self.sample_reads = shuffle and shuffle_window is None
+        self.window = (len(self.shards) if shuffle_window is None else shuffle_window) if shuffle else 1
         self.rank, self.world_size = rank, world_size
         self.dtype = dtype
         if pad_to is not None and pad_to < batch_tokens:
@@ -103,6 +129,7 @@ class PackedRows:
         self.pin_memory = pin_memory
         self._offsets: dict[int, torch.Tensor] = {}
         self._cached: OrderedDict[int, Shard] = OrderedDict()  # the last `window` shards read
+        self._open: OrderedDict[int, object] = OrderedDict()  # sample reads: the last OPEN_SHARDS opened
         self.truncated: set[tuple[int, int]] = set()
         self.too_short: set[tuple[int, int]] = set()
 
@@ -205,34 +232,63 @@ class PackedRows:
                         len(self.too_short))
 
     # ------------------------------------------------------------------ tensors
+    def __getstate__(self) -> dict:  # a row worker process opens its own memory maps
+        return {**self.__dict__, "_open": OrderedDict()}
+
+    def _checked(self, si: int, read):
+        """``read(path)``, with the shard's settings and layers checked against the manifest; a
+        shard that cannot be read or was made otherwise stops the run, naming it."""
+        path = self.shards[si][0]
+        try:
+            result, meta, layers = read(path)
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"shard {path}: cannot be read ({e}); rerun with --forcerun "
+                             "extract_hidden_states (intact shards are reused)") from e
+        if self.settings_digest and meta.get("settings_digest") != self.settings_digest:
+            raise SystemExit(f"shard {path} was made with other settings (digest "
+                             f"{meta.get('settings_digest')}) than the manifest's "
+                             f"{self.settings_digest}; rerun with --forcerun extract_hidden_states")
+        if layers != self.num_layers:
+            raise SystemExit(f"shard {path}: hidden_states has {layers} layers, "
+                             f"the manifest lists {self.num_layers} layer ids")
+        return result
+
     def _shard(self, si: int) -> Shard:
         if si in self._cached:
             self._cached.move_to_end(si)
         else:
-            path = self.shards[si][0]
-            try:
+            def read(path):
                 shard = read_shard(path)
-            except (OSError, ValueError) as e:
-                raise SystemExit(f"shard {path}: cannot be read ({e}); rerun with --forcerun "
-                                 "extract_hidden_states (intact shards are reused)") from e
-            if self.settings_digest and shard.metadata.get("settings_digest") != self.settings_digest:
-                raise SystemExit(f"shard {path} was made with other settings (digest "
-                                 f"{shard.metadata.get('settings_digest')}) than the manifest's "
-                                 f"{self.settings_digest}; rerun with --forcerun extract_hidden_states")
-            if shard.hidden_states.shape[1] != self.num_layers:
-                raise SystemExit(f"shard {path}: hidden_states has {shard.hidden_states.shape[1]} layers, "
-                                 f"the manifest lists {self.num_layers} layer ids")
-            self._cached[si] = shard
+                return shard, shard.metadata, shard.hidden_states.shape[1]
+
+            self._cached[si] = self._checked(si, read)
             if len(self._cached) > self.window:
                 self._cached.popitem(last=False)
         return self._cached[si]
+
+    def _sample(self, si: int, b: int) -> dict:
+        """Sample b of shard si: a view of the cached shard, or (global shuffle) its bytes alone."""
+        if not self.sample_reads:
+            return self._shard(si).sample(b)
+        if si in self._open:
+            self._open.move_to_end(si)
+        else:
+            def read(path):
+                f, meta = open_shard(path)
+                return f, meta, stored_layers(f)
+
+            self._open[si] = self._checked(si, read)
+            if len(self._open) > OPEN_SHARDS:
+                self._open.popitem(last=False)
+        offsets = self.offsets(si)
+        return read_tokens(self._open[si], int(offsets[b]), int(offsets[b + 1]))
 
     def materialize(self, row: Row) -> dict:
         from speculators.models.eagle3.data import shift_batch
 
         parts = []
         for si, b, length in row:
-            sample = self._shard(si).sample(b)
+            sample = self._sample(si, b)
             hs = sample["hidden_states"][:length].to(self.dtype)
             parts.append(shift_batch({
                 "input_ids": sample["input_ids"][:length].long(),

@@ -171,28 +171,55 @@ def holds_states(f, tokens: int, num_layers: int, hidden: int) -> bool:
             and f.get_slice("final").get_shape() == [tokens, hidden])
 
 
+def open_shard(path: str | os.PathLike):
+    """A shard opened with ``safe_open`` (memory-mapped) and its header metadata; ValueError for a
+    format this reader does not know."""
+    f = safe_open(str(path), framework="pt")
+    meta = read_metadata(f)
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"shard {path}: format version {meta.get('format_version')}, "
+                         f"this reader knows {FORMAT_VERSION}")
+    return f, meta
+
+
+def stored_layers(f) -> int:
+    """The layers (L) of the states of a shard opened with ``safe_open``, read from its header."""
+    if "hidden_states" in f.keys():
+        return f.get_slice("hidden_states").get_shape()[1]
+    return f.get_slice("aux_fp8").get_shape()[1] + 1
+
+
+def read_tokens(f, start: int, end: int) -> dict:
+    """Tokens start..end (one sample) of a shard opened with ``open_shard``: only those bytes are
+    read from the memory map, so rows can draw samples from every shard of a split at once; fp8
+    states come back dequantized, as from ``read_shard``."""
+    if "hidden_states" in f.keys():
+        hs = f.get_slice("hidden_states")[start:end]
+    else:
+        final = f.get_slice("final")[start:end]
+        aux = dequantize_fp8(f.get_slice("aux_fp8")[start:end], f.get_slice("aux_scale")[start:end], final.dtype)
+        hs = torch.cat([aux, final.unsqueeze(1)], dim=1)
+    return {"hidden_states": hs, "input_ids": f.get_slice("input_ids")[start:end],
+            "loss_mask": f.get_slice("loss_mask")[start:end]}
+
+
 def read_shard(path: str | os.PathLike) -> Shard:
     """Memory-mapped read; fp8 shards come back dequantized to the model dtype."""
-    with safe_open(str(path), framework="pt") as f:
-        meta = read_metadata(f)
-        if meta.get("format_version") != FORMAT_VERSION:
-            raise ValueError(f"shard {path}: format version {meta.get('format_version')}, "
-                             f"this reader knows {FORMAT_VERSION}")
-        keys = set(f.keys())
-        if "hidden_states" in keys:
-            hs = f.get_tensor("hidden_states")
-        else:
-            final = f.get_tensor("final")
-            aux = dequantize_fp8(f.get_tensor("aux_fp8"), f.get_tensor("aux_scale"), final.dtype)
-            hs = torch.cat([aux, final.unsqueeze(1)], dim=1)
-        return Shard(
-            hidden_states=hs,
-            input_ids=f.get_tensor("input_ids"),
-            loss_mask=f.get_tensor("loss_mask"),
-            sample_index=f.get_tensor("sample_index"),
-            offsets=f.get_tensor("offsets"),
-            metadata=meta,
-        )
+    f, meta = open_shard(path)
+    if "hidden_states" in f.keys():
+        hs = f.get_tensor("hidden_states")
+    else:
+        final = f.get_tensor("final")
+        aux = dequantize_fp8(f.get_tensor("aux_fp8"), f.get_tensor("aux_scale"), final.dtype)
+        hs = torch.cat([aux, final.unsqueeze(1)], dim=1)
+    return Shard(
+        hidden_states=hs,
+        input_ids=f.get_tensor("input_ids"),
+        loss_mask=f.get_tensor("loss_mask"),
+        sample_index=f.get_tensor("sample_index"),
+        offsets=f.get_tensor("offsets"),
+        metadata=meta,
+    )
 
 
 def checksum_path(path: str | os.PathLike) -> Path:

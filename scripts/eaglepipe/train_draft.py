@@ -31,7 +31,7 @@ from .dir_lock import dir_lock
 from .draft_model import ARCHITECTURES, LOSS_IMPLEMENTATION
 from .model_dir import check_model_dir
 from .layers import aux_layer_ids, validate_layer_ids
-from .packed_data import ROW_LOADERS, PackedRows, shuffle_window
+from .packed_data import GLOBAL, ROW_LOADERS, PackedRows, shuffle_buffer, shuffle_window
 from .progress import TokenProgress
 from .runtime import all_reduce, rng_state, set_rng_state, set_threads, setup_distributed
 from .shards import load_manifest
@@ -56,8 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-steps", type=int, default=20)
     p.add_argument("--max-steps", type=int, default=1000)
     p.add_argument("--batch-tokens", type=int, default=8192)
-    p.add_argument("--shuffle-buffer-gib", type=float, default=4.0,
-                   help="memory for the shards whose samples are shuffled together (packed_data.shuffle_window); "
+    p.add_argument("--shuffle-buffer-gib", type=shuffle_buffer, default=GLOBAL,
+                   help=f"{GLOBAL} (one permutation of the split, each sample read from its memory-mapped shard), or "
+                        "the memory for the shards whose samples are shuffled together (packed_data.shuffle_window); "
                         "0 = each shard's samples alone")
     p.add_argument("--row-loader", default="thread", choices=ROW_LOADERS,
                    help="what packs the next rows during a step: a thread, or a worker process (the GIL stays "
@@ -83,8 +84,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--draft-mlp-width {args.draft_mlp_width}: must be >= 1")
     if args.warmup_steps < 0 or args.lr <= 0 or args.weight_decay < 0 or args.ttt_step_loss_decay <= 0:
         p.error("--warmup-steps and --weight-decay must be >= 0, --lr and --ttt-step-loss-decay > 0")
-    if args.shuffle_buffer_gib < 0:
-        p.error(f"--shuffle-buffer-gib {args.shuffle_buffer_gib}: must be >= 0")
     return args
 
 
@@ -225,8 +224,8 @@ def train(args, stop_after: int | None = None) -> dict | None:
         run_eval(0)
 
     window = shuffle_window(manifest, "train", args.shuffle_buffer_gib)
-    log.info("rows shuffle the samples of %d shard(s) at a time (--shuffle-buffer-gib %g)", window,
-             args.shuffle_buffer_gib)
+    log.info("rows shuffle the samples of %s at a time (--shuffle-buffer-gib %s)",
+             "every shard" if window is None else f"{window} shard(s)", args.shuffle_buffer_gib)
     # the next rows are packed while this step runs (on a GPU that was idle time)
     rows = PackedRows(manifest, "train", args.batch_tokens, seed=args.seed, shuffle=True, rank=rank, world_size=world,
                       shuffle_window=window, **training_row_options(device, args.batch_tokens))
