@@ -80,10 +80,14 @@ def test_serving_without_a_recommendation_is_one_sentence(run):
 
 def test_card_says_what_the_loss_saw_of_thinking_and_answer(run):
     stats = json.loads((run / "data/stats.json").read_text())
-    stats["assistant"] = {"tokens_in_data": 1000, "tokens_trained": 800, "tokens_trained_thinking": 500,
-                          "tokens_trained_answer": 300, "trained_share": 0.8}
+    stats["assistant"] = {"tokens_in_data": 1000, "tokens_trained": 800, "trained_share": 0.8,
+                          "tokens_trained_by_kind": {"answer": 300, "thinking": 500}}
     (run / "data/stats.json").write_text(json.dumps(stats))
-    assert "assistant tokens trained: 800 of 1000 (80%; thinking 500, answer 300)" in write_card(run)
+    assert "assistant tokens trained: 800 of 1000 (80%; answer 300, thinking 500)" in write_card(run)
+    # the target's regenerated answers: one kind, not a thinking/answer split of zeros
+    stats["assistant"]["tokens_trained_by_kind"] = {"regenerated": 800}
+    (run / "data/stats.json").write_text(json.dumps(stats))
+    assert "assistant tokens trained: 800 of 1000 (80%; regenerated 800)" in write_card(run)
 
 
 def test_a_concurrency_where_no_k_helps_reads_as_the_target_alone(run):

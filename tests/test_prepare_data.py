@@ -180,7 +180,8 @@ def assistant_reconciles(out, stats):
     a = stats["assistant"]
     written = [r for name in ("train", "eval") for r in rows(out / f"{name}.jsonl")]
     assert a["tokens_trained"] == sum(sum(r["loss_mask"]) for r in written)
-    assert a["tokens_trained"] == a["tokens_trained_thinking"] + a["tokens_trained_answer"]
+    assert a["tokens_trained"] == sum(a["tokens_trained_by_kind"].values())
+    assert set(a["tokens_trained_by_kind"]) <= {"thinking", "answer"}
     assert a["tokens_in_data"] == a["tokens_trained"] + sum(a["tokens_not_trained_by_reason"].values())
     assert a["turns_in_data"] == a["turns_trained"] + sum(a["turns_not_trained_by_reason"].values())
     # a conversation's samples share its split: no prompt of an eval turn is trained on
@@ -200,7 +201,7 @@ def test_kimi_k25_preset_template_trains_thinking_and_every_turn(tmp_path, famil
     written = assistant_reconciles(out, stats)
     assert stats["kept"] == 30 and stats["prompts_differing_from_tokenizer_template"] == 0
     assert a["turns_trained"] == a["turns_in_data"] and a["tokens_not_trained_by_reason"] == {}
-    assert a["tokens_trained_thinking"] > 0 and a["turns_trained_as_own_sample"] > 0
+    assert a["tokens_trained_by_kind"]["thinking"] > 0 and a["turns_trained_as_own_sample"] > 0
     assert any("#turn" in r["id"] for r in written)
     tok = AutoTokenizer.from_pretrained(str(family_targets["kimi-k2.5"]))
     assert not any("</think><think>" in tok.decode(r["input_ids"]) for r in written)
@@ -212,7 +213,7 @@ def test_kimi_k25_preset_template_trains_thinking_and_every_turn(tmp_path, famil
     own_stats = json.loads((own / "stats.json").read_text())
     assistant_reconciles(own, own_stats)
     # (Kimi keeps the reasoning of tool-call turns: only theirs is trained)
-    assert 0 < own_stats["assistant"]["tokens_trained_thinking"] < a["tokens_trained_thinking"]
+    assert 0 < own_stats["assistant"]["tokens_trained_by_kind"]["thinking"] < a["tokens_trained_by_kind"]["thinking"]
     assert own_stats["assistant"]["tokens_not_trained_by_reason"]["reasoning_not_rendered"] > 0
     assert own_stats["template_digest"] != stats["template_digest"]
     assert "WARNING: only" in capsys.readouterr().err
@@ -226,7 +227,7 @@ def test_every_family_trains_every_turn_and_reconciles(tmp_path, family_targets,
     assistant_reconciles(out, stats)
     assert stats["kept"] == 30 and a["turns_trained"] == a["turns_in_data"]
     if family == "qwen3":  # renders thinking: all of it is trained
-        assert a["tokens_not_trained_by_reason"] == {} and a["tokens_trained_thinking"] > 0
+        assert a["tokens_not_trained_by_reason"] == {} and a["tokens_trained_by_kind"]["thinking"] > 0
         assert a["turns_trained_as_own_sample"] > 0
     else:  # these templates have no place for reasoning: the turn is trained, its reasoning counted
         assert set(a["tokens_not_trained_by_reason"]) == {"reasoning_not_rendered"}

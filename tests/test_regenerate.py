@@ -357,6 +357,8 @@ def test_prepare_data_counts_bad_pretokenized_records(tmp_path, tiny_llama):
     assert stats["skipped_by_reason"] == {"bad_loss_mask": 2, "bad_token_ids": 1, "no_assistant_token": 1,
                                           "missing_field": 1, "duplicate_id": 1, "bad_json": 1}
     assert stats["read"] == 13 and stats["kept"] == 6
+    # the target's ids: one kind, thinking and answer not told apart
+    assert stats["assistant"]["tokens_trained_by_kind"] == {"regenerated": 12} == {"regenerated": stats["assistant"]["tokens_trained"]}
     written = [json.loads(line) for split in ("train", "eval")
                for line in (tmp_path / "out" / f"{split}.jsonl").read_text().splitlines()]
     # taken as they are: the same ids and masks, the fields for people left out

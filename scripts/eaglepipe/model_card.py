@@ -56,12 +56,13 @@ def recommended_k(serving: dict | None, export_k: int, where: str) -> tuple[int,
 
 
 def assistant_tokens_line(assistant: dict | None) -> str:
-    """What the loss saw of the assistant text: thinking vs answer, and the share trained."""
+    """What the loss saw of the assistant text: thinking vs answer (or the target's regenerated
+    answers, where the two are not told apart), and the share trained."""
     if not assistant:
         return "- assistant tokens trained: n/a"
     return (f"- assistant tokens trained: {assistant['tokens_trained']} of {assistant['tokens_in_data']} "
-            f"({assistant['trained_share']:.0%}; thinking {assistant['tokens_trained_thinking']}, "
-            f"answer {assistant['tokens_trained_answer']})")
+            f"({assistant['trained_share']:.0%}; "
+            f"{', '.join(f'{k} {n}' for k, n in assistant['tokens_trained_by_kind'].items()) or 'none'})")
 
 
 def card(config: dict, summary: dict, which: str, data_stats: dict, offline: dict, serving: dict | None,

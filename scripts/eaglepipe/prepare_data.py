@@ -77,7 +77,9 @@ class AssistantCounts:
     def __init__(self):
         self.turns_in_data = self.turns_trained = self.own_sample_turns = 0
         self.turns_by_reason, self.tokens_by_reason = Counter(), Counter()
-        self.trained_by_kind = Counter()  # "thinking" / "answer" -> trained tokens
+        # trained tokens by chat_template.Part kind: "thinking" / "answer", or "regenerated" (the
+        # target's token ids, where the two are not told apart)
+        self.trained_by_kind = Counter()
 
     def not_trained(self, reason: str, turns: int, tokens: int):
         self.turns_by_reason[reason] += turns
@@ -93,8 +95,7 @@ class AssistantCounts:
             "turns_not_trained_by_reason": dict((+self.turns_by_reason).most_common()),  # + drops zero counts
             "tokens_in_data": in_data,
             "tokens_trained": trained,
-            "tokens_trained_thinking": self.trained_by_kind["thinking"],
-            "tokens_trained_answer": self.trained_by_kind["answer"],
+            "tokens_trained_by_kind": dict(sorted(self.trained_by_kind.items())),
             "tokens_not_trained_by_reason": dict((+self.tokens_by_reason).most_common()),
             "trained_share": trained / in_data if in_data else 0.0,
         }
@@ -251,7 +252,7 @@ def prepare(args) -> dict:
           f"skipped {stats['skipped']} ({reasons}), truncated {truncated}; assistant turns trained "
           f"{counts['turns_trained']} of {counts['turns_in_data']} ({counts['turns_trained_as_own_sample']} as their "
           f"own sample); assistant tokens trained {counts['tokens_trained']} of {counts['tokens_in_data']} "
-          f"(thinking {counts['tokens_trained_thinking']}, answer {counts['tokens_trained_answer']}; not trained: "
+          f"({', '.join(f'{k} {n}' for k, n in counts['tokens_trained_by_kind'].items()) or 'none'}; not trained: "
           f"{counts['tokens_not_trained_by_reason'] or 0})", file=sys.stderr)
     if counts["trained_share"] < UNTRAINED_WARNING_SHARE:
         print(f"WARNING: only {counts['trained_share']:.0%} of the assistant tokens in {args.data} are trained; "
