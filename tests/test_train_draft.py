@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -233,3 +236,23 @@ def test_a_rerun_over_a_finished_training_retrains_from_scratch(run, tmp_path, c
         return [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in rows]
 
     assert strip(metrics_rows(out)) == strip(first) and first[-1]["step"] == 4
+
+
+def test_cpu_training_gives_the_same_weights_at_any_thread_count(run, tmp_path):
+    """A run killed under one `snakemake --cores` and resumed under another must train the same
+    weights. MKL's AVX2 path splits matrix products by thread count; eaglepipe turns on MKL's strict
+    reproducible mode (MKL_CBWR, eaglepipe/__init__.py). Forced onto that path
+    (MKL_ENABLE_INSTRUCTIONS=AVX2) so any x86 CPU tests it; skipped where MKL gives equal bits anyway."""
+    def train(threads: int, out, mkl_cbwr: str | None):
+        env = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"}
+        env.update(OMP_NUM_THREADS=str(threads), MKL_ENABLE_INSTRUCTIONS="AVX2", **({"MKL_CBWR": mkl_cbwr} if mkl_cbwr else {}))
+        subprocess.run([sys.executable, "-m", "eaglepipe.train_draft", *argv(run, out)], env=env, check=True,
+                       capture_output=True)
+        return weights(out, 6)
+
+    def same(a, b):
+        return all(torch.equal(a[k], b[k]) for k in a)
+
+    if same(*(train(n, tmp_path / f"default{n}", "AUTO") for n in (1, 2))):  # MKL's default mode
+        pytest.skip("this CPU's MKL gives the same bits at 1 and 2 threads in its default mode")
+    assert same(*(train(n, tmp_path / f"ours{n}", None) for n in (1, 2)))

@@ -19,3 +19,12 @@ modules.
 | model_card | model_card | |
 | plot_report, plot_serving | plots | matplotlib |
 """
+
+import os
+
+# CPU results must not depend on the number of threads a job gets (a run killed under one
+# `snakemake --cores` and resumed under another trains the same weights): MKL's strict
+# Conditional Numerical Reproducibility mode. Without it, where MKL takes its AVX2 path, its
+# matrix products split by thread count (tests/test_train_draft.py). MKL reads it when torch
+# loads it, so it is set here, before any stage imports torch; a value already set wins.
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
