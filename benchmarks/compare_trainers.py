@@ -267,9 +267,12 @@ def made_from(args, **run) -> dict:
             "seed": args.seed, **run}
 
 
-def ours_name(buffer_gib: float | str, row_loader: str = "thread", loss: str = "kl_div") -> str:
-    return (("ours" if buffer_gib == 0 else f"ours-{GLOBAL}" if buffer_gib == GLOBAL else f"ours-buf{buffer_gib:g}") + ("" if row_loader == "thread" else f"-{row_loader}")
-            + ("" if loss == "kl_div" else f"-{loss}"))
+def ours_name(buffer_gib: float | str, row_loader: str = "thread", loss: str = "kl_div", ttt_steps: int | None = None,
+              loss_decay: float = 1.0) -> str:
+    """ours[-bufN|-global][-process][-<loss>][-tttN][-decayD]; ttt_steps None: the comparison's --ttt-steps."""
+    return (("ours" if buffer_gib == 0 else f"ours-{GLOBAL}" if buffer_gib == GLOBAL else f"ours-buf{buffer_gib:g}")
+            + ("" if row_loader == "thread" else f"-{row_loader}") + ("" if loss == "kl_div" else f"-{loss}")
+            + ("" if ttt_steps is None else f"-ttt{ttt_steps}") + ("" if loss_decay == 1.0 else f"-decay{loss_decay:g}"))
 
 
 def run_name(trainer: str, lr: float, lrs: list[float]) -> str:
@@ -278,13 +281,14 @@ def run_name(trainer: str, lr: float, lrs: list[float]) -> str:
 
 
 def train_ours(args, work: Path, variant: dict, lr: float, name: str) -> dict:
-    """One run of our trainer; ``variant``: its shuffle_buffer_gib, row_loader and loss."""
+    """One run of our trainer; ``variant``: its shuffle_buffer_gib, row_loader, loss, ttt_steps and
+    ttt_step_loss_decay."""
     out = work / name
     if out.exists():  # a killed run: start over, or the timing would mix two processes
         shutil.rmtree(out)
     cmd = [sys.executable, "-m", "eaglepipe.train_draft", "--manifest", str(args.manifest), "--vocab", str(args.vocab),
-           "--model", str(args.model), "--out-dir", str(out), "--ttt-steps", str(args.ttt_steps),
-           "--ttt-step-loss-decay", "1.0", "--lr", repr(lr), "--weight-decay", "0.0",
+           "--model", str(args.model), "--out-dir", str(out), "--ttt-steps", str(variant["ttt_steps"]),
+           "--ttt-step-loss-decay", repr(variant["ttt_step_loss_decay"]), "--lr", repr(lr), "--weight-decay", "0.0",
            "--warmup-steps", str(args.warmup_steps), "--max-steps", str(args.steps),
            "--batch-tokens", str(args.batch_tokens), "--shuffle-buffer-gib", str(variant["shuffle_buffer_gib"]),
            "--row-loader", variant["row_loader"], "--eval-every", str(args.steps),
@@ -392,14 +396,14 @@ def report(results: dict) -> str:
     return "\n".join(lines)
 
 
-def parse_rates(p: argparse.ArgumentParser, text: str) -> list[float]:
-    """--lr: comma-separated numbers > 0, sorted, duplicates dropped."""
+def parse_positive(p: argparse.ArgumentParser, flag: str, text: str, kind=float) -> list:
+    """Comma-separated numbers > 0 of ``kind``, sorted, duplicates dropped."""
     try:
-        values = sorted({float(v) for v in text.split(",")})
+        values = sorted({kind(v) for v in text.split(",")})
     except ValueError:
-        p.error(f"--lr {text}: comma-separated numbers, e.g. 0.001,0.0015")
+        p.error(f"{flag} {text}: comma-separated {kind.__name__}s, e.g. {'3,5' if kind is int else '0.001,0.0015'}")
     if not values[0] > 0:
-        p.error(f"--lr {text}: each must be > 0")
+        p.error(f"{flag} {text}: each must be > 0")
     return values
 
 
@@ -438,6 +442,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ours-losses", default="kl_div",
                    help="our trainer once per train.loss (speculators' losses), e.g. kl_div,lk_hybrid (rows "
                         "ours-buf4, ours-buf4-lk_hybrid); speculators trains with kl_div, its EAGLE-3 default")
+    p.add_argument("--ours-ttt-steps", default=None,
+                   help="our trainer once per TTT depth, e.g. 3,5 (rows ours-global, ours-global-ttt5); default "
+                        "--ttt-steps, what speculators trains with; the offline estimate stays at --k")
+    p.add_argument("--ours-loss-decays", default="1.0",
+                   help="our trainer once per --ttt-step-loss-decay, e.g. 1,0.8 (rows ours-global, "
+                        "ours-global-decay0.8: position i weighted decay**i); speculators keeps 1.0, its default")
     p.add_argument("--spec-defaults", action="store_true",
                    help=f"also speculators with its own optimizer, learning rate, weight decay and schedule "
                         f"(row {SPEC_DEFAULTS}; speculators 0.9: Muon, lr 1e-3, linear decay)")
@@ -446,7 +456,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("steps", "batch_tokens", "ttt_steps", "k"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
-    args.lr = parse_rates(p, args.lr)
+    args.lr = parse_positive(p, "--lr", args.lr)
+    args.ours_ttt_steps = parse_positive(p, "--ours-ttt-steps", args.ours_ttt_steps or str(args.ttt_steps), int)
+    args.ours_loss_decays = parse_positive(p, "--ours-loss-decays", args.ours_loss_decays)
     args.ours_shuffle_buffers = parse_buffers(p, args.ours_shuffle_buffers)
     args.ours_row_loaders = list(dict.fromkeys(args.ours_row_loaders.split(",")))
     if unknown := [r for r in args.ours_row_loaders if r not in ROW_LOADERS]:
@@ -500,9 +512,11 @@ def main(argv=None) -> None:
 
     for lr in args.lr:  # interleaved, so a drift of the machine's speed hits both trainers
         spec = run_name("speculators", lr, args.lr)
-        for g, loader, loss in itertools.product(args.ours_shuffle_buffers, args.ours_row_loaders, args.ours_losses):
-            variant = {"shuffle_buffer_gib": g, "row_loader": loader, "loss": loss}
-            name = run_name(ours_name(g, loader, loss), lr, args.lr)
+        for g, loader, loss, ttt, decay in itertools.product(args.ours_shuffle_buffers, args.ours_row_loaders,
+                                                              args.ours_losses, args.ours_ttt_steps, args.ours_loss_decays):
+            variant = {"shuffle_buffer_gib": g, "row_loader": loader, "loss": loss, "ttt_steps": ttt,
+                       "ttt_step_loss_decay": decay}
+            name = run_name(ours_name(g, loader, loss, None if ttt == args.ttt_steps else ttt, decay), lr, args.lr)
             measure(name, lambda variant=variant, lr=lr, name=name: train_ours(args, work, variant, lr, name),
                     made_from(args, lr=lr, **variant))
             pairs.append((name, spec))

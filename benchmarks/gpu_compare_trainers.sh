@@ -36,7 +36,9 @@
 # run, interleaved: LR=0.001,0.0015,0.002), WARMUP, DRAFT_VOCAB, EXTRACT_BATCH, MAX_SAMPLES (per
 # split, default all), DEADLINE_S (compare ends by then, default 570), OURS_BUFFERS (default global),
 # ROW_LOADERS (train_draft --row-loader of our runs, default thread; thread,process runs both),
-# OURS_LOSSES (train.loss of our runs, default kl_div; kl_div,lk_hybrid runs both), SPEC_DEFAULTS=1 (also
+# OURS_LOSSES (train.loss of our runs, default kl_div; kl_div,lk_hybrid runs both), OURS_TTT (TTT depths of
+# our runs, default 3, what speculators trains; 3,5 runs both), OURS_DECAYS (--ttt-step-loss-decay of our runs, default 1.0;
+# 1,0.8 runs both), SPEC_DEFAULTS=1 (also
 # speculators at its own optimizer, rate and schedule: Muon, 1e-3, linear).
 # Results in $OUT: compare.json (compare_trainers --json), summary.txt, logs.tar.gz.
 set -uo pipefail
@@ -50,7 +52,9 @@ STEPS=${STEPS:-1000} BATCH_TOKENS=${BATCH_TOKENS:-8192} LR=${LR:-0.001} WARMUP=$
 DRAFT_VOCAB=${DRAFT_VOCAB:-16384} EXTRACT_BATCH=${EXTRACT_BATCH:-64}
 OURS_BUFFERS=${OURS_BUFFERS:-global}  # our trainer once per train.shuffle_buffer_gib (rows ours-global; 0,4: ours, ours-buf4)
 ROW_LOADERS=${ROW_LOADERS:-thread}  # ... and per row loader (rows ours-buf4, ours-buf4-process)
-OURS_LOSSES=${OURS_LOSSES:-kl_div}  # ... and per train.loss (rows ours-buf4, ours-buf4-lk_hybrid)
+OURS_LOSSES=${OURS_LOSSES:-kl_div}  # ... and per train.loss (rows ours-global, ours-global-lk_hybrid)
+OURS_TTT=${OURS_TTT:-3}           # ... and per TTT depth (rows ours-global, ours-global-ttt5)
+OURS_DECAYS=${OURS_DECAYS:-1.0}   # ... and per loss decay over the TTT positions (rows ours-global-decay0.8)
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf   # build_target.py RECIPES["smollm2-gguf"]
 
 step() {  # step NAME cmd...: run, log to $W/NAME.log, report rc and seconds, stop on failure
@@ -102,7 +106,8 @@ pipeline() {  # data, extraction, vocab mapping, comparison on the target in $W/
   tail -n 1 "$W/vocab.log" | tee -a "$W/summary.txt"
   step compare compare "$W/work" "$W/hs/manifest.json" "$W/vocab.safetensors" "$W/target" "$W/compare.json" \
     "$STEPS" "$BATCH_TOKENS" --lr "$LR" --warmup-steps "$WARMUP" --ours-shuffle-buffers "$OURS_BUFFERS" \
-    --ours-row-loaders "$ROW_LOADERS" --ours-losses "$OURS_LOSSES" ${SPEC_DEFAULTS:+--spec-defaults}
+    --ours-row-loaders "$ROW_LOADERS" --ours-losses "$OURS_LOSSES" \
+    --ours-ttt-steps "$OURS_TTT" --ours-loss-decays "$OURS_DECAYS" ${SPEC_DEFAULTS:+--spec-defaults}
   awk '/^trainer/{on=1} /^FINAL_OFFLINE_AL/{on=0} on' "$W/compare.log" | tee -a "$W/summary.txt"
   grep "^FINAL_OFFLINE_AL" "$W/compare.log" | tee -a "$W/summary.txt"
 }
@@ -184,7 +189,8 @@ run-of)
   fi
   step compare compare "$W/work" "$run/hidden_states/manifest.json" "$run/data/vocab_mapping.safetensors" "$model" \
     "$W/compare.json" "$STEPS" "$BATCH_TOKENS" --lr "$LR" --warmup-steps "$WARMUP" --ours-shuffle-buffers "$OURS_BUFFERS" \
-    --ours-row-loaders "$ROW_LOADERS" --ours-losses "$OURS_LOSSES" ${SPEC_DEFAULTS:+--spec-defaults}
+    --ours-row-loaders "$ROW_LOADERS" --ours-losses "$OURS_LOSSES" \
+    --ours-ttt-steps "$OURS_TTT" --ours-loss-decays "$OURS_DECAYS" ${SPEC_DEFAULTS:+--spec-defaults}
   awk '/^trainer/{on=1} /^FINAL_OFFLINE_AL/{on=0} on' "$W/compare.log" | tee -a "$W/summary.txt"
   grep "^FINAL_OFFLINE_AL" "$W/compare.log" | tee -a "$W/summary.txt"
   finish 0
