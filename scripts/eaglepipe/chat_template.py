@@ -50,7 +50,7 @@ class TemplateSkip(Exception):
 
 class Part(NamedTuple):
     turn: int  # index of the assistant message
-    kind: str  # "thinking" or "answer"
+    kind: str  # "thinking" or "answer"; "regenerated" for the target's token ids (tokenized_samples)
 
 
 class Sample(NamedTuple):

@@ -189,10 +189,10 @@ def stored_layers(f) -> int:
     return f.get_slice("aux_fp8").get_shape()[1] + 1
 
 
-def read_tokens(f, start: int, end: int) -> dict:
-    """Tokens start..end (one sample) of a shard opened with ``open_shard``: only those bytes are
-    read from the memory map, so rows can draw samples from every shard of a split at once; fp8
-    states come back dequantized, as from ``read_shard``."""
+def read_tokens(f, start: int = 0, end: int | None = None) -> dict:
+    """Tokens start..end (one sample; all by default) of a shard opened with ``open_shard``: only
+    those bytes are read from the memory map, so rows can draw samples from every shard of a split
+    at once; fp8 states come back dequantized to the model dtype."""
     if "hidden_states" in f.keys():
         hs = f.get_slice("hidden_states")[start:end]
     else:
@@ -206,20 +206,8 @@ def read_tokens(f, start: int, end: int) -> dict:
 def read_shard(path: str | os.PathLike) -> Shard:
     """Memory-mapped read; fp8 shards come back dequantized to the model dtype."""
     f, meta = open_shard(path)
-    if "hidden_states" in f.keys():
-        hs = f.get_tensor("hidden_states")
-    else:
-        final = f.get_tensor("final")
-        aux = dequantize_fp8(f.get_tensor("aux_fp8"), f.get_tensor("aux_scale"), final.dtype)
-        hs = torch.cat([aux, final.unsqueeze(1)], dim=1)
-    return Shard(
-        hidden_states=hs,
-        input_ids=f.get_tensor("input_ids"),
-        loss_mask=f.get_tensor("loss_mask"),
-        sample_index=f.get_tensor("sample_index"),
-        offsets=f.get_tensor("offsets"),
-        metadata=meta,
-    )
+    return Shard(**read_tokens(f), sample_index=f.get_tensor("sample_index"), offsets=f.get_tensor("offsets"),
+                 metadata=meta)
 
 
 def checksum_path(path: str | os.PathLike) -> Path:
