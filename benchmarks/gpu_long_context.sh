@@ -20,8 +20,9 @@
 #       gpu_regenerate_table.sh, whose chain builds the target first)
 #   bash benchmarks/gpu_long_context.sh longset DEVICE   only the long set and the four evaluations
 #       (after the runs; DEVICE cpu checks the steps on a laptop with LONG_LIMIT=3)
-#   bash benchmarks/gpu_long_context.sh shards RUN   only the shards and vocab mapping of long1k's data
-#       (rows cut at 1,024) as results/RUN, no training (gpu_compare_trainers.sh shards-of)
+#   bash benchmarks/gpu_long_context.sh shards RUN [TARGET...]   only the shards and vocab mapping of long1k's
+#       data (rows cut at 1,024) as results/RUN, no training (gpu_compare_trainers.sh shards-of); or
+#       the TARGETs of that run instead (e.g. results/RUN/draft/config.json: the preset's training, exported)
 #   bash benchmarks/gpu_long_context.sh status [WAIT_S]   waits, prints the table, copies it to $OUT
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -111,8 +112,10 @@ case "${1:-}" in
   _chain) chain ;;
   longset) longset "${2:-cuda}" ;;
   shards)
-    name=${2:?usage: shards RUN}
-    run "$name" 1024 2048 "results/$name/hidden_states/manifest.json" "results/$name/data/vocab_mapping.safetensors" \
+    name=${2:?usage: shards RUN [TARGET...]}
+    shift 2
+    targets=("$@"); [ $# -gt 0 ] || targets=("results/$name/hidden_states/manifest.json" "results/$name/data/vocab_mapping.safetensors")
+    run "$name" 1024 2048 "${targets[@]}" \
       || { tail -n 30 "$W/$name.log"; exit 1; }
     ;;
   status)

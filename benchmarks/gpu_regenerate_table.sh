@@ -20,6 +20,9 @@
 #       AL only: beside other jobs its ms/step mean nothing) comes back as far as it got (compare.json).
 #   bash benchmarks/gpu_regenerate_table.sh serve RUN...   detached: benchmark_serving alone on the GPU
 #       for each run's draft (K 2-4, concurrency 1 and 4), one after the other.
+#   bash benchmarks/gpu_regenerate_table.sh _spread RUN [REPEATS]   (in THEN, or detached by hand) RUN's draft
+#       served REPEATS times (default 2) with the pipeline's memory settings and with vLLM's default,
+#       alternately (K=3, concurrency 1): status prints benchmarks/serving_spread.py's table.
 #   bash benchmarks/gpu_regenerate_table.sh status [WAIT_S]   waits up to WAIT_S s while anything runs,
 #       prints progress and the table (benchmarks/regenerate_table.py), copies results to $OUT.
 set -uo pipefail
@@ -93,6 +96,21 @@ serve() {  # serve RUN...: each run's draft alone on the GPU
   done
 }
 
+spread() {  # spread RUN [REPEATS]: its draft served (K=3, concurrency 1, 80 prompts) with the pipeline's memory
+  # settings and with vLLM's default, alternately, so that the speedup's spread between engines and the
+  # setting's effect come apart (benchmarks/serving_spread.py prints them); each file is kept as it ends
+  local run=$1 i s
+  for i in $(seq 1 "${2:-2}"); do
+    for s in small default; do
+      local mem=(); [ $s = small ] && mem=(--gpu-memory-utilization 0.1 --kv-cache-gib 8)
+      python3 -m eaglepipe.benchmark_serving --model results/models/SmolLM2-135M-Instruct \
+        --serve-model HuggingFaceTB/SmolLM2-135M-Instruct --draft "results/$run/draft" \
+        --prompts "results/$run/data/eval.jsonl" --num-prompts 80 --max-tokens 256 --concurrency 1 --k 3 \
+        --parity-k 3 "${mem[@]}" --out "$W/spread_${s}_$i.json" --parity-samples "$W/spread_parity_${s}_$i.jsonl" || return 1
+    done
+  done
+}
+
 case "${1:-}" in
   start)
     shift
@@ -115,6 +133,7 @@ case "${1:-}" in
     exit $rc
     ;;
   _serve) shift; serve "$@" ;;
+  _spread) shift; spread "$@" ;;
   serve)
     shift
     export PYTHONPATH="$PWD/scripts${PYTHONPATH:+:$PYTHONPATH}"
@@ -136,13 +155,15 @@ case "${1:-}" in
     [ -f "$W/serve.log" ] && { echo "--- serve"; grep -E "^benchmark_serving:|speedup|Error" "$W/serve.log" | tail -n 8; }
     [ -f "$W/beside.log" ] && { echo "--- beside"; tail -n 5 "$W/beside.log"; }
     [ -f "$W/then.log" ] && { echo "--- then"; tail -n 12 "$W/then.log"; }
+    spread_files=$(for f in $(ls -tr "$W"/spread_*_[0-9]*.json 2>/dev/null); do b=${f##*/spread_}; echo "${b%%_*}=$f"; done)
+    [ -n "$spread_files" ] && python3 benchmarks/serving_spread.py $spread_files --json "$W/spread.json" | tee "$W/spread.md"
     # RUNS=" ": only BESIDE and THEN ran. The runs' own serving shared the GPU when they ran at once
     # (or beside the MLA check); a BESIDE job may have ended before it: say so in the note
     shared=; [ "$(echo $RUNS | wc -w)" -gt 1 ] || [ "${MLA:-0}" = 1 ] && shared=--shared-gpu
     [ -n "${RUNS// /}" ] && python3 benchmarks/regenerate_table.py $(for r in $RUNS; do echo "results/$r"; done) \
       $shared --serving "$W"/serving_*.json --json "$W/table.json" 2>&1 | tee "$W/table.md"
     if [ -n "${OUT:-}" ]; then
-      cp "$W/table.md" "$W/table.json" "$OUT/" 2>/dev/null
+      cp "$W/table.md" "$W/table.json" "$W/spread.md" "$OUT/" 2>/dev/null
       tar -czf "$OUT/regen_table.tgz" --ignore-failed-read "$W"/*.log "$W"/*.json "$W/mla" "$W/then-out" \
         "$W"/*/compare.json "$W"/*/summary.txt \
         $(for r in $RUNS; do echo "results/$r/logs results/$r/benchmarks results/$r/regenerated/stats.json \
