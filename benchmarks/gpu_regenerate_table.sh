@@ -21,8 +21,9 @@
 #   bash benchmarks/gpu_regenerate_table.sh serve RUN...   detached: benchmark_serving alone on the GPU
 #       for each run's draft (K 2-4, concurrency 1 and 4), one after the other.
 #   bash benchmarks/gpu_regenerate_table.sh _spread RUN [REPEATS]   (in THEN, or detached by hand) RUN's draft
-#       served REPEATS times (default 2) with the pipeline's memory settings and with vLLM's default,
-#       alternately (K=3, concurrency 1): status prints benchmarks/serving_spread.py's table.
+#       served REPEATS rounds (default 2) of one engine per setting in SPREAD (default "small default":
+#       the pipeline's memory settings, vLLM's default; also seqs8, noasync), K=3, concurrency 1:
+#       status prints benchmarks/serving_spread.py's table.
 #   bash benchmarks/gpu_regenerate_table.sh status [WAIT_S]   waits up to WAIT_S s while anything runs,
 #       prints progress and the table (benchmarks/regenerate_table.py), copies results to $OUT.
 set -uo pipefail
@@ -96,17 +97,27 @@ serve() {  # serve RUN...: each run's draft alone on the GPU
   done
 }
 
-spread() {  # spread RUN [REPEATS]: its draft served (K=3, concurrency 1, 80 prompts) with the pipeline's memory
-  # settings and with vLLM's default, alternately, so that the speedup's spread between engines and the
-  # setting's effect come apart (benchmarks/serving_spread.py prints them); each file is kept as it ends
+spread() {  # spread RUN [REPEATS]: its draft served (K=3, concurrency 1, 80 prompts) once per setting in
+  # SPREAD (default "small default"), REPEATS rounds (default 2), so that the speedup's spread between
+  # engines and a setting's effect come apart (benchmarks/serving_spread.py prints them); each file is
+  # kept as it ends. Settings: small = the pipeline runs' memory (gpu_memory_utilization 0.1, an 8 GiB
+  # KV cache); default = vLLM's (0.9); seqs8 / noasync = default plus engine arguments (max_num_seqs 8;
+  # async_scheduling off)
   local run=$1 i s
   for i in $(seq 1 "${2:-2}"); do
-    for s in small default; do
-      local mem=(); [ $s = small ] && mem=(--gpu-memory-utilization 0.1 --kv-cache-gib 8)
+    for s in ${SPREAD:-small default}; do
+      local flags=()
+      case $s in
+        small) flags=(--gpu-memory-utilization 0.1 --kv-cache-gib 8) ;;
+        default) ;;
+        seqs8) flags=(--engine-args '{"max_num_seqs": 8}') ;;
+        noasync) flags=(--engine-args '{"async_scheduling": false}') ;;
+        *) echo "unknown spread setting $s" >&2; return 1 ;;
+      esac
       python3 -m eaglepipe.benchmark_serving --model results/models/SmolLM2-135M-Instruct \
         --serve-model HuggingFaceTB/SmolLM2-135M-Instruct --draft "results/$run/draft" \
         --prompts "results/$run/data/eval.jsonl" --num-prompts 80 --max-tokens 256 --concurrency 1 --k 3 \
-        --parity-k 3 "${mem[@]}" --out "$W/spread_${s}_$i.json" --parity-samples "$W/spread_parity_${s}_$i.jsonl" || return 1
+        --parity-k 3 "${flags[@]}" --out "$W/spread_${s}_$i.json" --parity-samples "$W/spread_parity_${s}_$i.jsonl" || return 1
     done
   done
 }

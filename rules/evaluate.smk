@@ -98,6 +98,7 @@ rule benchmark_serving:
         ulps=config["benchmark_serving"]["near_tie_ulps"],
         parity_k=lambda wc: parity_k(),
         parity_requests=parity_requests_flag(),
+        engine_args=json.dumps(config["benchmark_serving"]["engine_args"], sort_keys=True),
         code=code_digest("benchmark_serving"),
     shell:
         # the parity set is all held out: the extraction's train split is this empty file
@@ -110,6 +111,7 @@ rule benchmark_serving:
         "--near-tie-ulps {params.ulps} --parity-k {params.parity_k} "
         "{params.parity_requests} --tensor-parallel-size {params.tp} "
         "--gpu-memory-utilization {params.gpu_util} {params.kv_cache} "
+        "--engine-args {params.engine_args:q} "
         "--out {output.serving} --parity-samples {output.samples} > {log} 2>&1"
 
 

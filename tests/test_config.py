@@ -210,3 +210,15 @@ def test_every_offered_loss_is_one_speculators_resolves():
     assert {"kl_div", "lk_hybrid", "tv"} <= set(offered)
     for name in offered:
         assert list(resolve_loss_config(name, LOSS_IMPLEMENTATION)) == [name]
+
+
+def test_engine_args_the_serving_benchmark_sets_itself_are_refused_naming_what_sets_them():
+    cfg = demo()
+    cfg["benchmark_serving"] = {"engine_args": {"max_num_seqs": 8, "kv_cache_memory_bytes": 1 << 30,
+                                                "async_scheduling": None}}
+    errors = config_errors(cfg, load_schema(SCHEMA))
+    assert errors == [
+        "config key benchmark_serving.engine_args.kv_cache_memory_bytes: the serving benchmark sets it (vllm.kv_cache_gib)",
+        "config key benchmark_serving.engine_args.async_scheduling is null: leave the key out for vLLM's default"]
+    cfg["benchmark_serving"] = {"engine_args": {"max_num_seqs": 8, "compilation_config": {"cudagraph_mode": "FULL"}}}
+    assert config_errors(cfg, load_schema(SCHEMA)) == []

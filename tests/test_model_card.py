@@ -112,3 +112,13 @@ def test_card_sets_the_offline_estimate_beside_vllms_at_the_same_k(run):
     offline["k"] = 5  # an estimate at a K vLLM did not serve: nothing to set beside it
     (run / "eval/offline.json").write_text(json.dumps(offline))
     assert "offline vs online" not in write_card(run, "--serving", str(run / "eval/serving.json"))
+
+
+def test_the_engine_arguments_serving_was_measured_with_are_in_the_serve_command(run):
+    serving = json.loads((run / "eval/serving.json").read_text())
+    serving["engine_args"] = {"max_num_seqs": 8, "async_scheduling": False,
+                              "compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}}
+    (run / "eval/serving.json").write_text(json.dumps(serving))
+    words = shlex.split(serve_line(write_card(run, "--serving", str(run / "eval/serving.json"))))
+    assert words[words.index("--max-num-seqs") + 1] == "8" and "--no-async-scheduling" in words
+    assert json.loads(words[words.index("--compilation-config") + 1]) == {"cudagraph_mode": "FULL_DECODE_ONLY"}

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from eaglepipe import benchmark_serving as bs
-from eaglepipe.serving_sweep import (acceptance, counter_delta, explain_divergences, first_difference, logit_ulp,
+from eaglepipe.serving_sweep import (acceptance, counter_delta, engine_args_errors, explain_divergences, first_difference, logit_ulp,
                                      near_tie_threshold, recommend, spec_counters, sweep_rows, window_requests)
 from eaglepipe.tokenized_samples import read_prepared
 
@@ -193,6 +193,30 @@ def test_sweep_rows_and_recommendation():
     assert recommend(slow, "m", "d", 1)["by_concurrency"] == {"1": 2, "4": None}
 
 
+def test_engine_arguments_become_vllm_serve_flags_by_vllms_cli_rules():
+    rows = sweep_rows(*synthetic_engines())
+    args = {"max_num_seqs": 8, "async_scheduling": True, "enforce_eager": False,
+            "compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [1, 2, 4]},
+            "cuda_graph_sizes": [1, 2]}
+    cmd = shlex.split(recommend(rows, "org/m", "d", 2, trust_remote_code=True, engine_args=args)["serve_command"])
+    assert cmd[cmd.index("--max-num-seqs") + 1] == "8" and "--async-scheduling" in cmd and "--no-enforce-eager" in cmd
+    assert json.loads(cmd[cmd.index("--compilation-config") + 1]) == args["compilation_config"]
+    assert cmd[cmd.index("--cuda-graph-sizes") + 1:][:2] == ["1", "2"]
+    assert "--trust-remote-code" in cmd and cmd[cmd.index("--tensor-parallel-size") + 1] == "2"
+
+
+def test_engine_args_errors_name_the_key_and_what_sets_it_instead():
+    assert engine_args_errors({"max_num_seqs": 8}) == []
+    assert engine_args_errors({"speculative_config": {}, "seed": 1, "enforce_eager": None, "max_num_seqs": 8,
+                               "no_such_arg": 1}, known={"max_num_seqs", "enforce_eager"}) == [
+        "benchmark_serving.engine_args.speculative_config: the serving benchmark sets it (benchmark_serving.k, "
+        "one engine per K, and the exported draft)",
+        "benchmark_serving.engine_args.seed: the serving benchmark sets it (always 0)",
+        "benchmark_serving.engine_args.enforce_eager is null: leave the key out for vLLM's default",
+        "benchmark_serving.engine_args.no_such_arg: not an engine argument of the installed vLLM "
+        "(vllm.engine.arg_utils.EngineArgs)"]
+
+
 def test_sweep_needs_the_baseline_at_every_concurrency():
     base, spec = synthetic_engines()
     del base["points"]["4"]
@@ -247,6 +271,7 @@ def test_main_writes_serving_json_and_parity_samples(tmp_path, monkeypatch):
     def fake_run_isolated(settings, ps, k):
         calls.append(k)
         assert settings["draft"] == str(draft.resolve()) and ps == [[1, 2], [4]]
+        assert settings["engine_args"] == {"max_num_seqs": 4}  # every engine gets them
         return base if k is None else spec[k]
 
     monkeypatch.setattr(bs, "run_isolated", fake_run_isolated)
@@ -254,12 +279,15 @@ def test_main_writes_serving_json_and_parity_samples(tmp_path, monkeypatch):
     out, samples = tmp_path / "eval" / "serving.json", tmp_path / "eval" / "parity" / "eval.jsonl"
     bs.main(["--model", "m", "--serve-model", "org/m", "--draft", str(draft), "--prompts", str(prompts),
              "--concurrency", "4,1", "--k", "3,1,2", "--parity-k", "3", "--out", str(out),
-             "--parity-samples", str(samples)])
+             "--parity-samples", str(samples), "--engine-args", '{"max_num_seqs": 4}', "--kv-cache-gib", "8"])
     assert calls == [None, 1, 2, 3]  # one engine each, the baseline once
     res = json.loads(out.read_text())
     assert res["recommended"] == {"by_concurrency": {"1": 2, "4": 1}, "k": 2,
                                   "serve_command": res["recommended"]["serve_command"]}
     assert "org/m" in res["recommended"]["serve_command"]
+    assert "--max-num-seqs 4" in res["recommended"]["serve_command"]
+    # the engine settings the speedup was measured with are in the file
+    assert (res["engine_args"], res["gpu_memory_utilization"], res["kv_cache_gib"]) == ({"max_num_seqs": 4}, 0.9, 8.0)
     assert res["concurrency"] == [1, 4] and res["k"] == [1, 2, 3] and res["skipped_prompts"] == {"empty prompt": 1}
     assert len(res["points"]) == 2 + 3 * 2
     assert [e["load_s"] for e in res["engines"]] == [30.0, 40.0, 40.0, 40.0]
@@ -290,6 +318,9 @@ def test_load_prompts_reads_prepared_samples_no_further_than_needed(tmp_path):
     (["--concurrency", "4,16"], "lacks 1"),
     (["--k", "0,1"], "distinct integers >= 1"),
     (["--gpu-memory-utilization", "1.5"], "must be in (0, 1]"),
+    (["--engine-args", '{"dtype": "float16"}'], "benchmark_serving.engine_args.dtype: the serving benchmark sets it"),
+    (["--engine-args", "[1]"], "expected a JSON object of engine arguments"),
+    (["--engine-args", "{max_num_seqs: 1}"], "not JSON"),
 ])
 def test_cli_rejects_bad_settings(tmp_path, capsys, args, message):
     draft = tmp_path / "draft"

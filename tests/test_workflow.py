@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -338,10 +339,13 @@ def test_serving_benchmark_plans_parity_rules(tmp_path):
     jobs, _, out = dry_run(ws, "--config", 'benchmark_serving={"enabled": true}')
     for rule in ("benchmark_serving", "extract_parity_hidden_states", "evaluate_parity", "plot_serving"):
         assert jobs.get(rule) == 1, (rule, out)
-    p = snakemake(ws, "-n", "-p", "--config", 'benchmark_serving={"enabled": true, "k": [2, 4]}',
-                  'export={"num_speculative_tokens": 4}')
+    p = snakemake(ws, "-n", "-p", "--config",
+                  'benchmark_serving={"enabled": true, "k": [2, 4], "engine_args": {"max_num_seqs": 8, '
+                  '"async_scheduling": true}}', 'export={"num_speculative_tokens": 4}')
     cmds = {line.split("eaglepipe.")[1].split()[0]: line for line in p.stdout.splitlines() if "exec python -m" in line}
     assert "--concurrency 1,4,16,64 --k 2,4" in cmds["benchmark_serving"]
+    words = shlex.split(cmds["benchmark_serving"].split("exec python -m ")[1])
+    assert json.loads(words[words.index("--engine-args") + 1]) == {"max_num_seqs": 8, "async_scheduling": True}
     assert "--parity-k 4" in cmds["benchmark_serving"]
     parity_extract = [line for line in p.stdout.splitlines()
                       if "eaglepipe.extract_hidden_states" in line and "/eval/parity/eval.jsonl" in line]

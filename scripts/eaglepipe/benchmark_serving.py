@@ -35,8 +35,8 @@ from collections import Counter
 from pathlib import Path
 
 from .atomic import atomic_path, write_json
-from .serving_sweep import (CONVENTION, PARITY_CONCURRENCY, counter_delta, explain_divergences, parity_samples,
-                            recommend, spec_counters, sweep_rows, window_done, window_requests)
+from .serving_sweep import (CONVENTION, PARITY_CONCURRENCY, counter_delta, engine_args_errors, explain_divergences,
+                            parity_samples, recommend, spec_counters, sweep_rows, window_done, window_requests)
 from .tokenized_samples import iter_prepared
 from .vllm_env import add_kv_cache_argument, kv_cache_kwargs, set_vllm_env_defaults
 
@@ -158,10 +158,16 @@ def run_point(stream: RequestStream, *, min_seconds: float, min_output_tokens: i
 def run_engine(settings: dict, prompts: list[list[int]], k: int | None, result_path: str) -> None:
     """One engine (k None: the target alone), every concurrency; runs in a spawned child, writes JSON."""
     set_vllm_env_defaults()
+    import dataclasses
+
     from vllm import LLM, SamplingParams  # lazy: only this GPU stage needs vLLM
+    from vllm.engine.arg_utils import EngineArgs
     from vllm.sampling_params import RequestOutputKind
 
     label = "target alone" if k is None else f"target + draft, K={k}"
+    errors = engine_args_errors(settings["engine_args"], {f.name for f in dataclasses.fields(EngineArgs)})
+    if errors:
+        raise SystemExit("benchmark_serving: " + "; ".join(errors))
     t_start = time.perf_counter()
     llm = LLM(
         model=settings["model"], tensor_parallel_size=settings["tensor_parallel_size"],
@@ -176,6 +182,7 @@ def run_engine(settings: dict, prompts: list[list[int]], k: int | None, result_p
         # the reference pass's logprobs are the target's raw logits (margins on the logit scale);
         # requests without logprobs, the timed ones, are unaffected
         **({"logprobs_mode": "raw_logits"} if k is None else {}),
+        **settings["engine_args"],
     )
     engine = llm.llm_engine
     load_s = time.perf_counter() - t_start
@@ -262,8 +269,11 @@ def summarize(settings: dict, prompts: list[list[int]], baseline: dict,
         "sampling": "greedy", "concurrency": settings["concurrency"], "k": sorted(speculative),
         "min_seconds": settings["min_seconds"], "min_output_tokens": settings["min_output_tokens"],
         "vllm_version": settings["vllm_version"],
+        "gpu_memory_utilization": settings["gpu_memory_utilization"], "kv_cache_gib": settings["kv_cache_gib"],
+        "engine_args": settings["engine_args"],
         "points": rows,
-        "recommended": recommend(rows, settings["serve_model"], settings["draft"], settings["tensor_parallel_size"]),
+        "recommended": recommend(rows, settings["serve_model"], settings["draft"], settings["tensor_parallel_size"],
+                                 settings["trust_remote_code"], settings["engine_args"]),
         "engines": [{"k": e["k"], **e["time"]} for e in [baseline, *speculative.values()]],
         "divergences": {"near_tie_ulps": settings["near_tie_ulps"], "rule": NEAR_TIE_NOTE,
                         "reference": f"the target alone, all {len(prompts)} prompts at once, logprobs=2 (raw logits)",
@@ -283,6 +293,16 @@ def int_list(text: str) -> list[int]:
     if not values or min(values) < 1 or len(set(values)) != len(values):
         raise argparse.ArgumentTypeError(f"{text!r}: expected distinct integers >= 1")
     return sorted(values)
+
+
+def json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a JSON object of engine arguments")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -309,6 +329,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="the share of each GPU's memory one engine may take (weights, activations, KV cache)")
     add_kv_cache_argument(p)
+    p.add_argument("--engine-args", type=json_object, default={},
+                   help="more vLLM engine arguments for every engine, as a JSON object (e.g. "
+                        "'{\"max_num_seqs\": 8, \"async_scheduling\": true}'); the recommended serve command carries them")
     p.add_argument("--out", required=True, help="serving.json")
     p.add_argument("--parity-samples", required=True, help="JSONL of the parity window's sequences")
     return p
@@ -322,6 +345,9 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--{flag.replace('_', '-')} {getattr(a, flag)}: must be at least 1")
     if not 0 < a.gpu_memory_utilization <= 1:
         p.error(f"--gpu-memory-utilization {a.gpu_memory_utilization}: must be in (0, 1]")
+    errors = engine_args_errors(a.engine_args)
+    if errors:
+        p.error("--engine-args: " + "; ".join(errors))
     if a.min_seconds <= 0 or a.near_tie_ulps <= 0:
         p.error("--min-seconds and --near-tie-ulps must be positive")
     if a.parity_k not in a.k:
@@ -345,7 +371,7 @@ def main(argv: list[str] | None = None) -> None:
         f"skipped {dict(skipped) or 'none'}")
     settings = {"model": a.model, "serve_model": a.serve_model or a.model, "draft": a.draft,
                 "tensor_parallel_size": a.tensor_parallel_size, "gpu_memory_utilization": a.gpu_memory_utilization,
-                "kv_cache_gib": a.kv_cache_gib,
+                "kv_cache_gib": a.kv_cache_gib, "engine_args": a.engine_args,
                 "trust_remote_code": a.trust_remote_code,
                 "dtype": a.dtype, "max_tokens": a.max_tokens, "concurrency": a.concurrency,
                 "min_seconds": a.min_seconds, "min_output_tokens": a.min_output_tokens, "parity_k": a.parity_k,

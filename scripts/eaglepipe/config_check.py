@@ -15,6 +15,7 @@ import yaml
 
 from .layers import aux_layer_ids, default_layer_ids, validate_layer_ids
 from .serving_limits import AUX_STATES, aux_count_error, rope_error, servable_rope
+from .serving_sweep import engine_args_errors
 
 # target.build recipe -> the one directory it builds (rules/data.smk's build_target writes only there).
 BUILT_TARGETS = {"smollm2-gguf": "results/models/SmolLM2-135M-Instruct"}
@@ -112,6 +113,9 @@ def config_errors(config: dict, schema: dict) -> list[str]:
             continue
         out.append(f"config key {_key(err.absolute_path)} = {err.instance!r} is not allowed: "
                    f"it must be {_allowed(err)}")
+    engine_args = (config.get("benchmark_serving") or {}).get("engine_args")
+    if isinstance(engine_args, dict):
+        out += [f"config key {e}" for e in engine_args_errors(engine_args)]
     ids = (config.get("extract") or {}).get("layer_ids")
     if isinstance(ids, list) and all(isinstance(i, int) for i in ids) and ids != sorted(set(ids)):
         out.append(f"config key extract.layer_ids = {ids} is not allowed: it must be strictly "

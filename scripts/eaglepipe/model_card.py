@@ -3,8 +3,9 @@
 It reads what the run measured (the export's config.json, train/summary.json, data/stats.json,
 eval/offline.json and, when serving was benchmarked, eval/serving.json) and tells the user how to
 serve the draft: the serve command carries the run's tensor parallel size and --trust-remote-code
-when the run used them, and the K the serving benchmark recommends for one request at a time
-(else the export's K).
+when the run used them, the engine arguments the serving benchmark measured with
+(benchmark_serving.engine_args), and the K it recommends for one request at a time (else the
+export's K).
 
     python -m eaglepipe.model_card --draft-config results/run/draft/config.json \
         --summary results/run/train/summary.json --which best --data-stats results/run/data/stats.json \
@@ -15,14 +16,13 @@ when the run used them, and the K the serving benchmark recommends for one reque
 from __future__ import annotations
 
 import argparse
-import json
-import shlex
 from pathlib import Path
 
 from . import mla_draft
 from .atomic import atomic_path, read_json_object
 from .layers import CONVENTION
 from .serving_limits import NORM_FLAGS
+from .serving_sweep import serve_command
 
 
 class CardError(ValueError):
@@ -33,16 +33,6 @@ def _field(obj: dict, key: str, where: str):
     if key not in obj:
         raise CardError(f"{where}: missing field {key!r}")
     return obj[key]
-
-
-def serve_command(verifier: str, draft_dir: str, k: int, tensor_parallel_size: int, trust_remote_code: bool) -> str:
-    spec = json.dumps({"model": draft_dir, "method": "eagle3", "num_speculative_tokens": k})
-    words = ["vllm", "serve", shlex.quote(verifier), "--speculative-config", shlex.quote(spec)]
-    if tensor_parallel_size > 1:
-        words += ["--tensor-parallel-size", str(tensor_parallel_size)]
-    if trust_remote_code:
-        words.append("--trust-remote-code")
-    return " ".join(words)
 
 
 def recommended_k(serving: dict | None, export_k: int, where: str) -> tuple[int, str]:
@@ -82,7 +72,8 @@ def card(config: dict, summary: dict, which: str, data_stats: dict, offline: dic
         "",
         "## Serve",
         "```",
-        serve_command(verifier, str(draft_dir.resolve()), k, tensor_parallel_size, trust_remote_code),
+        serve_command(verifier, str(draft_dir.resolve()), k, tensor_parallel_size, trust_remote_code,
+                      (serving or {}).get("engine_args")),
         "```",
         f"num_speculative_tokens {k}: {k_source}.",
         "",

@@ -120,13 +120,73 @@ def sweep_rows(baseline: dict, speculative: dict[int, dict]) -> list[dict]:
     return rows
 
 
-def serve_command(model: str, draft: str, k: int, tensor_parallel_size: int) -> str:
+# The engine arguments the serving benchmark sets itself, and what sets each instead: a key of
+# benchmark_serving.engine_args may not name them.
+ENGINE_ARGS_SET_ELSEWHERE = {
+    "model": "target.model",
+    "tokenizer": "target.model",
+    "speculative_config": "benchmark_serving.k, one engine per K, and the exported draft",
+    "tensor_parallel_size": "extract.tensor_parallel_size",
+    "dtype": "target.dtype",
+    "trust_remote_code": "target.trust_remote_code",
+    "gpu_memory_utilization": "extract.gpu_memory_utilization",
+    "kv_cache_memory_bytes": "vllm.kv_cache_gib",
+    "max_model_len": "the longest prompt plus benchmark_serving.max_tokens",
+    "enable_prefix_caching": "always off: the prompts cycle, and each request pays its own prefill as distinct users' do",
+    "seed": "always 0",
+    "disable_log_stats": "always False: the spec-decode counters need vLLM's stat loggers",
+    "logprobs_mode": "raw logits, for the target's reference pass",
+}
+
+
+def engine_args_errors(engine_args: dict, known: set[str] | None = None) -> list[str]:
+    """What is wrong with benchmark_serving.engine_args, one sentence per key; ``known``: the installed
+    vLLM's engine argument names (vllm.engine.arg_utils.EngineArgs), None where vLLM is not at hand."""
+    errors = []
+    for key, value in engine_args.items():
+        where = f"benchmark_serving.engine_args.{key}"
+        if key in ENGINE_ARGS_SET_ELSEWHERE:
+            errors.append(f"{where}: the serving benchmark sets it ({ENGINE_ARGS_SET_ELSEWHERE[key]})")
+        elif value is None:
+            errors.append(f"{where} is null: leave the key out for vLLM's default")
+        elif known is not None and key not in known:
+            errors.append(f"{where}: not an engine argument of the installed vLLM (vllm.engine.arg_utils.EngineArgs)")
+    return errors
+
+
+def engine_arg_flags(engine_args: dict) -> list[str]:
+    """``engine_args`` as `vllm serve` words, by vLLM 0.26.0's own CLI rules (engine/arg_utils.py
+    _compute_kwargs): --key-with-dashes; booleans --key / --no-key; lists one value per word; dicts
+    (e.g. compilation_config) as JSON."""
+    words = []
+    for key, value in engine_args.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            words.append(flag if value else "--no-" + key.replace("_", "-"))
+        elif isinstance(value, dict):
+            words += [flag, json.dumps(value)]
+        elif isinstance(value, list):
+            words += [flag, *map(str, value)]
+        else:
+            words += [flag, str(value)]
+    return words
+
+
+def serve_command(model: str, draft: str, k: int, tensor_parallel_size: int, trust_remote_code: bool = False,
+                  engine_args: dict | None = None) -> str:
+    """The `vllm serve` line for the draft: the run's tensor parallel size, --trust-remote-code when the
+    run used it, and the engine arguments the serving benchmark measured with."""
     spec = json.dumps({"model": draft, "method": "eagle3", "num_speculative_tokens": k})
-    tp = f" --tensor-parallel-size {tensor_parallel_size}" if tensor_parallel_size > 1 else ""
-    return f"vllm serve {shlex.quote(model)}{tp} --speculative-config {shlex.quote(spec)}"
+    words = ["vllm", "serve", model, "--speculative-config", spec]
+    if tensor_parallel_size > 1:
+        words += ["--tensor-parallel-size", str(tensor_parallel_size)]
+    if trust_remote_code:
+        words.append("--trust-remote-code")
+    return shlex.join(words + engine_arg_flags(engine_args or {}))
 
 
-def recommend(rows: list[dict], model: str, draft: str, tensor_parallel_size: int) -> dict:
+def recommend(rows: list[dict], model: str, draft: str, tensor_parallel_size: int, trust_remote_code: bool = False,
+              engine_args: dict | None = None) -> dict:
     """The K with the highest speedup at each concurrency (ties: the smaller K, it costs less draft
     compute), null where no K is faster than the target alone; ``k`` is the best K at the lowest
     concurrency measured (1 by default, the case speculative decoding is for), whatever its speedup,
@@ -142,7 +202,7 @@ def recommend(rows: list[dict], model: str, draft: str, tensor_parallel_size: in
         raise ValueError("no speculative point was measured")
     k = best[min(best)]["k"]
     return {"by_concurrency": {str(c): best[c]["k"] if best[c]["speedup"] > 1 else None for c in sorted(best)}, "k": k,
-            "serve_command": serve_command(model, draft, k, tensor_parallel_size)}
+            "serve_command": serve_command(model, draft, k, tensor_parallel_size, trust_remote_code, engine_args)}
 
 
 # ---- non-identical greedy outputs
