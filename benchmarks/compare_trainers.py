@@ -58,6 +58,7 @@ from eaglepipe.atomic import read_json_object, write_json  # noqa: E402
 from eaglepipe.draft_model import LOSS_IMPLEMENTATION  # noqa: E402
 from eaglepipe.packed_data import GLOBAL, ROW_LOADERS, shuffle_buffer  # noqa: E402
 from eaglepipe.shards import load_manifest, read_shard, shard_paths  # noqa: E402
+from eaglepipe.train_draft import OPTIMIZERS  # noqa: E402
 
 SPEC_CHILD = "--speculators-child"  # internal: run speculators' trainer in this (child) process
 
@@ -268,11 +269,12 @@ def made_from(args, **run) -> dict:
 
 
 def ours_name(buffer_gib: float | str, row_loader: str = "thread", loss: str = "kl_div", ttt_steps: int | None = None,
-              loss_decay: float = 1.0) -> str:
-    """ours[-bufN|-global][-process][-<loss>][-tttN][-decayD]; ttt_steps None: the comparison's --ttt-steps."""
+              loss_decay: float = 1.0, optimizer: str = "adamw") -> str:
+    """ours[-bufN|-global][-process][-<loss>][-tttN][-decayD][-muon]; ttt_steps None: the comparison's --ttt-steps."""
     return (("ours" if buffer_gib == 0 else f"ours-{GLOBAL}" if buffer_gib == GLOBAL else f"ours-buf{buffer_gib:g}")
             + ("" if row_loader == "thread" else f"-{row_loader}") + ("" if loss == "kl_div" else f"-{loss}")
-            + ("" if ttt_steps is None else f"-ttt{ttt_steps}") + ("" if loss_decay == 1.0 else f"-decay{loss_decay:g}"))
+            + ("" if ttt_steps is None else f"-ttt{ttt_steps}") + ("" if loss_decay == 1.0 else f"-decay{loss_decay:g}")
+            + ("" if optimizer == "adamw" else f"-{optimizer}"))
 
 
 def run_name(trainer: str, lr: float, lrs: list[float]) -> str:
@@ -281,14 +283,15 @@ def run_name(trainer: str, lr: float, lrs: list[float]) -> str:
 
 
 def train_ours(args, work: Path, variant: dict, lr: float, name: str) -> dict:
-    """One run of our trainer; ``variant``: its shuffle_buffer_gib, row_loader, loss, ttt_steps and
-    ttt_step_loss_decay."""
+    """One run of our trainer; ``variant``: its shuffle_buffer_gib, row_loader, loss, ttt_steps,
+    ttt_step_loss_decay and optimizer."""
     out = work / name
     if out.exists():  # a killed run: start over, or the timing would mix two processes
         shutil.rmtree(out)
     cmd = [sys.executable, "-m", "eaglepipe.train_draft", "--manifest", str(args.manifest), "--vocab", str(args.vocab),
            "--model", str(args.model), "--out-dir", str(out), "--ttt-steps", str(variant["ttt_steps"]),
-           "--ttt-step-loss-decay", repr(variant["ttt_step_loss_decay"]), "--lr", repr(lr), "--weight-decay", "0.0",
+           "--ttt-step-loss-decay", repr(variant["ttt_step_loss_decay"]), "--optimizer", variant["optimizer"],
+           "--lr", repr(lr), "--weight-decay", "0.0",
            "--warmup-steps", str(args.warmup_steps), "--max-steps", str(args.steps),
            "--batch-tokens", str(args.batch_tokens), "--shuffle-buffer-gib", str(variant["shuffle_buffer_gib"]),
            "--row-loader", variant["row_loader"], "--eval-every", str(args.steps),
@@ -448,6 +451,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ours-loss-decays", default="1.0",
                    help="our trainer once per --ttt-step-loss-decay, e.g. 1,0.8 (rows ours-global, "
                         "ours-global-decay0.8: position i weighted decay**i); speculators keeps 1.0, its default")
+    p.add_argument("--ours-optimizers", default="adamw",
+                   help="our trainer once per train.optimizer, e.g. adamw,muon (rows ours-global, ours-global-muon: "
+                        "Muon on the 2-D weights at the same rate, speculators' split and defaults); speculators "
+                        "keeps adamw at --lr (its defaults, Muon, under --spec-defaults)")
     p.add_argument("--spec-defaults", action="store_true",
                    help=f"also speculators with its own optimizer, learning rate, weight decay and schedule "
                         f"(row {SPEC_DEFAULTS}; speculators 0.9: Muon, lr 1e-3, linear decay)")
@@ -463,6 +470,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.ours_row_loaders = list(dict.fromkeys(args.ours_row_loaders.split(",")))
     if unknown := [r for r in args.ours_row_loaders if r not in ROW_LOADERS]:
         p.error(f"--ours-row-loaders {','.join(unknown)}: each one of {', '.join(ROW_LOADERS)}")
+    args.ours_optimizers = list(dict.fromkeys(args.ours_optimizers.split(",")))
+    if unknown := [o for o in args.ours_optimizers if o not in OPTIMIZERS]:
+        p.error(f"--ours-optimizers {','.join(unknown)}: each one of {', '.join(OPTIMIZERS)}")
     args.ours_losses = list(dict.fromkeys(args.ours_losses.split(",")))
     from speculators.losses import resolve_loss_config
 
@@ -512,11 +522,12 @@ def main(argv=None) -> None:
 
     for lr in args.lr:  # interleaved, so a drift of the machine's speed hits both trainers
         spec = run_name("speculators", lr, args.lr)
-        for g, loader, loss, ttt, decay in itertools.product(args.ours_shuffle_buffers, args.ours_row_loaders,
-                                                              args.ours_losses, args.ours_ttt_steps, args.ours_loss_decays):
+        for g, loader, loss, ttt, decay, opt in itertools.product(
+                args.ours_shuffle_buffers, args.ours_row_loaders, args.ours_losses, args.ours_ttt_steps,
+                args.ours_loss_decays, args.ours_optimizers):
             variant = {"shuffle_buffer_gib": g, "row_loader": loader, "loss": loss, "ttt_steps": ttt,
-                       "ttt_step_loss_decay": decay}
-            name = run_name(ours_name(g, loader, loss, None if ttt == args.ttt_steps else ttt, decay), lr, args.lr)
+                       "ttt_step_loss_decay": decay, "optimizer": opt}
+            name = run_name(ours_name(g, loader, loss, None if ttt == args.ttt_steps else ttt, decay, opt), lr, args.lr)
             measure(name, lambda variant=variant, lr=lr, name=name: train_ours(args, work, variant, lr, name),
                     made_from(args, lr=lr, **variant))
             pairs.append((name, spec))

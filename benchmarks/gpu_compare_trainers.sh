@@ -38,7 +38,7 @@
 # ROW_LOADERS (train_draft --row-loader of our runs, default thread; thread,process runs both),
 # OURS_LOSSES (train.loss of our runs, default kl_div; kl_div,lk_hybrid runs both), OURS_TTT (TTT depths of
 # our runs, default 3, what speculators trains; 3,5 runs both), OURS_DECAYS (--ttt-step-loss-decay of our runs, default 1.0;
-# 1,0.8 runs both), SPEC_DEFAULTS=1 (also
+# 1,0.8 runs both), OURS_OPTIMIZERS (train.optimizer of our runs, default adamw; adamw,muon runs both), SPEC_DEFAULTS=1 (also
 # speculators at its own optimizer, rate and schedule: Muon, 1e-3, linear).
 # Results in $OUT: compare.json (compare_trainers --json), summary.txt, logs.tar.gz.
 set -uo pipefail
@@ -55,6 +55,7 @@ ROW_LOADERS=${ROW_LOADERS:-thread}  # ... and per row loader (rows ours-buf4, ou
 OURS_LOSSES=${OURS_LOSSES:-kl_div}  # ... and per train.loss (rows ours-global, ours-global-lk_hybrid)
 OURS_TTT=${OURS_TTT:-3}           # ... and per TTT depth (rows ours-global, ours-global-ttt5)
 OURS_DECAYS=${OURS_DECAYS:-1.0}   # ... and per loss decay over the TTT positions (rows ours-global-decay0.8)
+OURS_OPTIMIZERS=${OURS_OPTIMIZERS:-adamw}  # ... and per train.optimizer (rows ours-global-muon)
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf   # build_target.py RECIPES["smollm2-gguf"]
 
 step() {  # step NAME cmd...: run, log to $W/NAME.log, report rc and seconds, stop on failure
@@ -107,7 +108,8 @@ pipeline() {  # data, extraction, vocab mapping, comparison on the target in $W/
   step compare compare "$W/work" "$W/hs/manifest.json" "$W/vocab.safetensors" "$W/target" "$W/compare.json" \
     "$STEPS" "$BATCH_TOKENS" --lr "$LR" --warmup-steps "$WARMUP" --ours-shuffle-buffers "$OURS_BUFFERS" \
     --ours-row-loaders "$ROW_LOADERS" --ours-losses "$OURS_LOSSES" \
-    --ours-ttt-steps "$OURS_TTT" --ours-loss-decays "$OURS_DECAYS" ${SPEC_DEFAULTS:+--spec-defaults}
+    --ours-ttt-steps "$OURS_TTT" --ours-loss-decays "$OURS_DECAYS" --ours-optimizers "$OURS_OPTIMIZERS" \
+    ${SPEC_DEFAULTS:+--spec-defaults}
   awk '/^trainer/{on=1} /^FINAL_OFFLINE_AL/{on=0} on' "$W/compare.log" | tee -a "$W/summary.txt"
   grep "^FINAL_OFFLINE_AL" "$W/compare.log" | tee -a "$W/summary.txt"
 }
@@ -190,7 +192,8 @@ run-of)
   step compare compare "$W/work" "$run/hidden_states/manifest.json" "$run/data/vocab_mapping.safetensors" "$model" \
     "$W/compare.json" "$STEPS" "$BATCH_TOKENS" --lr "$LR" --warmup-steps "$WARMUP" --ours-shuffle-buffers "$OURS_BUFFERS" \
     --ours-row-loaders "$ROW_LOADERS" --ours-losses "$OURS_LOSSES" \
-    --ours-ttt-steps "$OURS_TTT" --ours-loss-decays "$OURS_DECAYS" ${SPEC_DEFAULTS:+--spec-defaults}
+    --ours-ttt-steps "$OURS_TTT" --ours-loss-decays "$OURS_DECAYS" --ours-optimizers "$OURS_OPTIMIZERS" \
+    ${SPEC_DEFAULTS:+--spec-defaults}
   awk '/^trainer/{on=1} /^FINAL_OFFLINE_AL/{on=0} on' "$W/compare.log" | tee -a "$W/summary.txt"
   grep "^FINAL_OFFLINE_AL" "$W/compare.log" | tee -a "$W/summary.txt"
   finish 0

@@ -18,7 +18,7 @@ phase boundary, which costs a little; both totals are reported). Phases of a ste
   forward_loss  the draft's TTT forward with its loss (speculators computes the loss inside the
                 forward, compiled with it on GPUs; its share is estimated separately below)
   backward      zero_grad + backward
-  optimizer     grad clipping, AdamW step, scheduler step
+  optimizer     grad clipping, the optimizer step(s) (--optimizer), scheduler step(s)
   stats         the per-step loss/accuracy stack and its read back to the host (train_draft's
                 int(tokens) / float(loss), which synchronise every step)
 Beside the step: row packing alone (PackedRows packing in the caller, host ms per row),
@@ -109,7 +109,6 @@ class Trainer:
 
     def __init__(self, targs, device: torch.device):
         from speculators.losses import resolve_loss_config
-        from transformers import get_cosine_schedule_with_warmup
 
         self.targs, self.device = targs, device
         try:
@@ -122,8 +121,7 @@ class Trainer:
         self.model = build_draft(targs.model, aux_layer_ids(layer_ids), targs.vocab, targs.ttt_steps, device,
                                  targs.trust_remote_code, targs.draft_architecture, targs.draft_mlp_width)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=targs.lr, weight_decay=targs.weight_decay)
-        self.scheduler = get_cosine_schedule_with_warmup(self.optimizer, targs.warmup_steps, targs.max_steps)
+        self.optimization = train_draft.Optimization(targs, self.model)
         self.loss_config = resolve_loss_config(targs.loss, LOSS_IMPLEMENTATION)
         self.row_options = training_row_options(device, targs.batch_tokens)  # as train_draft's rows
         self.pad_to = self.row_options["pad_to"]
@@ -152,12 +150,11 @@ class Trainer:
             _, loss, m = self.model(**b, ttt_steps=a.ttt_steps, ttt_step_loss_decay=a.ttt_step_loss_decay,
                                     loss_config=self.loss_config)
         clock.mark("forward_loss")
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimization.zero_grad()
         loss.backward()
         clock.mark("backward")
         torch.nn.utils.clip_grad_norm_(self.params, 1.0)
-        self.optimizer.step()
-        self.scheduler.step()
+        self.optimization.step()
         clock.mark("optimizer")
         tokens = batch["lengths"].sum().reshape(1).to(self.device)
         stats = torch.stack([loss.detach().float()] + [m[f"full_acc_{s}_sum"].float() for s in range(a.ttt_steps)]

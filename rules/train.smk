@@ -22,6 +22,12 @@ rule train_draft:
         trust=trust_flag(),
         ttt=config["train"]["ttt_steps"],
         decay=config["train"]["ttt_step_loss_decay"],
+        optimizer=f"--optimizer {config['train']['optimizer']}"
+        + (
+            f" --muon-weight-decay {config['train']['muon_weight_decay']}"
+            if config["train"]["muon_weight_decay"] is not None
+            else ""
+        ),
         lr=config["train"]["lr"],
         wd=config["train"]["weight_decay"],
         warmup=config["train"]["warmup_steps"],
@@ -51,7 +57,7 @@ rule train_draft:
         f"{STAGE_ENV} exec {{params.launcher}} eaglepipe.train_draft "
         "--manifest {input.manifest} --vocab {input.vocab} --model {params.model} {params.trust} "
         "--out-dir {params.outdir} --ttt-steps {params.ttt} --ttt-step-loss-decay {params.decay} "
-        "--lr {params.lr} --weight-decay {params.wd} --warmup-steps {params.warmup} "
+        "{params.optimizer} --lr {params.lr} --weight-decay {params.wd} --warmup-steps {params.warmup} "
         "--max-steps {params.steps} --batch-tokens {params.batch_tokens} --shuffle-buffer-gib {params.shuffle_buffer} "
         "--eval-every {params.eval_every} --checkpoint-every {params.ckpt_every} "
         "--loss {params.loss} --seed {params.seed} {params.draft} "

@@ -216,6 +216,9 @@ def test_our_trainer_runs_once_per_shuffle_buffer_and_both_once_per_learning_rat
     assert ct.ours_name(4, "process") == "ours-buf4-process"
     assert ct.ours_name(4, "thread", "lk_hybrid") == "ours-buf4-lk_hybrid"
     assert ct.ours_name("global", "thread", "kl_div", 5, 0.8) == "ours-global-ttt5-decay0.8"
+    assert ct.ours_name("global", optimizer="muon") == "ours-global-muon"
+    assert args_for(run, tmp_path).ours_optimizers == ["adamw"]
+    assert args_for(run, tmp_path, **{"--ours-optimizers": "muon,adamw,muon"}).ours_optimizers == ["muon", "adamw"]
     assert args_for(run, tmp_path).ours_ttt_steps == [3] and args_for(run, tmp_path).ours_loss_decays == [1.0]
     assert args_for(run, tmp_path).ours_losses == ["kl_div"]
     assert args_for(run, tmp_path, **{"--ours-losses": "lk_hybrid,kl_div,lk_hybrid"}).ours_losses == [
@@ -228,7 +231,8 @@ def test_our_trainer_runs_once_per_shuffle_buffer_and_both_once_per_learning_rat
         "speculators@lr0.001", "speculators@lr0.0015"]
     for flag, bad in (("--ours-shuffle-buffers", "-1,4"), ("--ours-shuffle-buffers", "x"), ("--lr", "0,0.001"),
                       ("--lr", "1e-3,fast"), ("--ours-row-loaders", "thread,auto"), ("--ours-losses", "kl_div,kl"),
-                      ("--ours-ttt-steps", "3,0"), ("--ours-ttt-steps", "3.5"), ("--ours-loss-decays", "0,1")):
+                      ("--ours-ttt-steps", "3,0"), ("--ours-ttt-steps", "3.5"), ("--ours-loss-decays", "0,1"),
+                      ("--ours-optimizers", "adamw,sgd")):
         with pytest.raises(SystemExit):
             args_for(run, tmp_path, **{flag: bad})
         assert flag in capsys.readouterr().err
@@ -346,6 +350,11 @@ def test_main_runs_the_grid_interleaved_and_resumes(run, tmp_path, monkeypatch, 
     assert order[10:] == ["ours-global-decay0.8", "ours-global", "ours-global-ttt5-decay0.8", "ours-global-ttt5"]
     made = json.loads((tmp_path / "o.json").read_text())["runs"]["ours-global-ttt5-decay0.8"]["made_from"]
     assert made["ttt_steps"] == 5 and made["ttt_step_loss_decay"] == 0.8
+    del order[10:]  # optimizers: ours once per optimizer, speculators reused
+    ct.main([*argv[:-6], "--lr", "0.0015", "--ours-optimizers", "adamw,muon"])
+    assert order[10:] == ["ours-global-muon"]  # ours-global (adamw) is the run above, reused
+    made = json.loads((tmp_path / "o.json").read_text())["runs"]["ours-global-muon"]["made_from"]
+    assert made["optimizer"] == "muon"
 
 
 def test_a_comparison_cut_short_keeps_the_runs_it_finished_scored(run, tmp_path, monkeypatch):

@@ -222,3 +222,13 @@ def test_engine_args_the_serving_benchmark_sets_itself_are_refused_naming_what_s
         "config key benchmark_serving.engine_args.async_scheduling is null: leave the key out for vLLM's default"]
     cfg["benchmark_serving"] = {"engine_args": {"max_num_seqs": 8, "compilation_config": {"cudagraph_mode": "FULL"}}}
     assert config_errors(cfg, load_schema(SCHEMA)) == []
+
+
+def test_muon_weight_decay_needs_the_muon_optimizer():
+    cfg = demo()
+    cfg["train"] = dict(cfg.get("train") or {}, muon_weight_decay=0.05)
+    errors = config_errors(cfg, load_schema(SCHEMA))
+    assert errors == ["config key train.muon_weight_decay = 0.05 is not allowed with train.optimizer 'adamw': "
+                      "it sets the Muon group (optimizer muon)"]
+    cfg["train"]["optimizer"] = "muon"
+    assert config_errors(cfg, load_schema(SCHEMA)) == []

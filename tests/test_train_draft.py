@@ -112,15 +112,17 @@ def test_cli_outputs_and_summary(run, tmp_path):
     assert torch.equal(reloaded.fc.weight, weights(out, 6)["fc.weight"])
 
 
-def test_resume_after_kill_gives_identical_weights(run, tmp_path, caplog):
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_resume_after_kill_gives_identical_weights(run, tmp_path, caplog, optimizer):
     straight = tmp_path / "straight"
-    train_draft.train(train_draft.parse_args(argv(run, straight)))
+    train_draft.train(train_draft.parse_args(argv(run, straight, optimizer=optimizer)))
     killed = tmp_path / "killed"
-    assert train_draft.train(train_draft.parse_args(argv(run, killed)), stop_after=3) is None  # last checkpoint: 2
+    # last checkpoint: 2
+    assert train_draft.train(train_draft.parse_args(argv(run, killed, optimizer=optimizer)), stop_after=3) is None
     assert max(r["step"] for r in metrics_rows(killed)) == 3
     (killed / "metrics.jsonl").unlink()  # as Snakemake does with a failed job's declared outputs
     with caplog.at_level(logging.INFO):
-        train_draft.train(train_draft.parse_args(argv(run, killed)))
+        train_draft.train(train_draft.parse_args(argv(run, killed, optimizer=optimizer)))
     assert "resuming from" in caplog.text and "step-0000002 at step 2" in caplog.text
     a, b = weights(straight, 6), weights(killed, 6)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -191,6 +193,28 @@ def test_best_checkpoint_chosen_by_a_category_stratum(tiny_llama, tmp_path):
         train_draft.train(train_draft.parse_args(argv(run, tmp_path / "bad", select_by="category:math")))
 
 
+def test_muon_takes_the_decoders_matrices_and_adamw_the_rest(run, tmp_path):
+    from eaglepipe.draft_model import build_draft
+
+    torch.manual_seed(0)
+    model = build_draft(run["model"], [1, 3, 5], run["vocab"], ttt_steps=3)
+    names = {id(p): n for n, p in model.named_parameters()}
+    muon, adamw = train_draft.Optimization(train_draft.parse_args(argv(run, tmp_path, optimizer="muon")),
+                                           model).optimizers
+    assert type(muon) is torch.optim.Muon and type(adamw) is torch.optim.AdamW
+    in_muon = {names[id(p)] for g in muon.param_groups for p in g["params"]}
+    in_adamw = {names[id(p)] for g in adamw.param_groups for p in g["params"]}
+    assert {"fc.weight", "layers.0.self_attn.q_proj.weight", "layers.0.mlp.down_proj.weight"} <= in_muon
+    assert "layers.0.input_layernorm.weight" in in_adamw and not in_muon & in_adamw
+    assert all(p.ndim == 2 for g in muon.param_groups for p in g["params"])
+    # speculators' defaults: the Muon group decays weights by 0.1 unless told
+    assert muon.param_groups[0]["weight_decay"] == 0.1 and muon.param_groups[0]["lr"] == adamw.param_groups[0]["lr"]
+    args = train_draft.parse_args([*argv(run, tmp_path, optimizer="muon"), "--muon-weight-decay", "0"])
+    assert train_draft.Optimization(args, model).optimizers[0].param_groups[0]["weight_decay"] == 0.0
+    (only,) = train_draft.Optimization(train_draft.parse_args(argv(run, tmp_path)), model).optimizers
+    assert type(only) is torch.optim.AdamW  # the default
+
+
 def test_bad_flags_and_inputs_are_clear_errors(run, tmp_path, capsys):
     with pytest.raises(SystemExit):
         train_draft.parse_args(argv(run, tmp_path, max_steps=0))
@@ -200,6 +224,10 @@ def test_bad_flags_and_inputs_are_clear_errors(run, tmp_path, capsys):
         with pytest.raises(SystemExit):
             train_draft.parse_args([*argv(run, tmp_path), "--shuffle-buffer-gib", bad])
         assert f"'{bad}': global or a number of GiB >= 0" in capsys.readouterr().err
+    for bad in (["--muon-weight-decay", "0.1"], ["--optimizer", "muon", "--muon-weight-decay", "-1"]):
+        with pytest.raises(SystemExit):
+            train_draft.parse_args([*argv(run, tmp_path), *bad])
+        assert "only with --optimizer muon, and >= 0" in capsys.readouterr().err
     bad = tmp_path / "manifest.json"
     bad.write_text("{}")
     args = argv(run, tmp_path / "o")

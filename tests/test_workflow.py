@@ -99,9 +99,10 @@ def test_nothing_to_do_after_a_full_run(done_run):
 
 
 def test_training_setting_reruns_training_and_what_follows_only(done_run):
-    jobs, reasons, _ = dry_run(done_run, "--config", 'train={"lr": 0.002}')
-    assert set(jobs) == {"train_draft", "export_draft", "evaluate_offline", "model_card", "plot_report", "all"}
-    assert "train_draft" in reasons["params have changed since last execution"]
+    for setting in ('train={"lr": 0.002}', 'train={"optimizer": "muon", "muon_weight_decay": 0.05}'):
+        jobs, reasons, _ = dry_run(done_run, "--config", setting)
+        assert set(jobs) == {"train_draft", "export_draft", "evaluate_offline", "model_card", "plot_report", "all"}
+        assert "train_draft" in reasons["params have changed since last execution"]
 
 
 def test_data_setting_reruns_from_tokenization(done_run):
@@ -328,7 +329,7 @@ def test_h200_preset_dry_run_plans_every_stage_on_one_gpu(tmp_path):
         assert flag in extract, (flag, extract)
     train = block("train_draft")
     assert "gpu=1" in train and "exec python -m eaglepipe.train_draft" in train
-    for flag in ("--max-steps 1000", "--batch-tokens 8192", "--lr 0.001", "--warmup-steps 50"):
+    for flag in ("--max-steps 1000", "--batch-tokens 8192", "--optimizer adamw --lr 0.001", "--warmup-steps 50"):
         assert flag in train, (flag, train)
     assert "VLLM_CACHE_ROOT=results/smollm2-h200/vllm-cache " in block("benchmark_serving")
     assert "--draft-vocab-size 16384" in block("vocab_mapping")

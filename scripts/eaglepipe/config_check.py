@@ -113,6 +113,10 @@ def config_errors(config: dict, schema: dict) -> list[str]:
             continue
         out.append(f"config key {_key(err.absolute_path)} = {err.instance!r} is not allowed: "
                    f"it must be {_allowed(err)}")
+    train = config.get("train") or {}
+    if train.get("muon_weight_decay") is not None and train.get("optimizer", "adamw") != "muon":
+        out.append(f"config key train.muon_weight_decay = {train['muon_weight_decay']!r} is not allowed with "
+                   f"train.optimizer {train.get('optimizer', 'adamw')!r}: it sets the Muon group (optimizer muon)")
     engine_args = (config.get("benchmark_serving") or {}).get("engine_args")
     if isinstance(engine_args, dict):
         out += [f"config key {e}" for e in engine_args_errors(engine_args)]

@@ -37,6 +37,7 @@ from .runtime import all_reduce, rng_state, set_rng_state, set_threads, setup_di
 from .shards import load_manifest
 
 log = logging.getLogger("eaglepipe.train_draft")
+OPTIMIZERS = ("adamw", "muon")  # speculators 0.9.0's (speculators/train/optimizers.py)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,8 +52,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-mlp-width", type=int, default=None, help="dense MLP width (default: the target's)")
     p.add_argument("--ttt-steps", type=int, default=3)
     p.add_argument("--ttt-step-loss-decay", type=float, default=1.0)
+    p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS,
+                   help="adamw, or muon: torch's Muon on the decoder's 2-D weight matrices at --lr (its update "
+                        "scaled to AdamW's RMS) and AdamW on the rest (speculators' build_optimizers, its defaults)")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--muon-weight-decay", type=float, default=None,
+                   help="weight decay of the Muon group (--optimizer muon); default speculators' (0.1 in 0.9.0)")
     p.add_argument("--warmup-steps", type=int, default=20)
     p.add_argument("--max-steps", type=int, default=1000)
     p.add_argument("--batch-tokens", type=int, default=8192)
@@ -84,6 +90,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--draft-mlp-width {args.draft_mlp_width}: must be >= 1")
     if args.warmup_steps < 0 or args.lr <= 0 or args.weight_decay < 0 or args.ttt_step_loss_decay <= 0:
         p.error("--warmup-steps and --weight-decay must be >= 0, --lr and --ttt-step-loss-decay > 0")
+    if args.muon_weight_decay is not None and (args.optimizer != "muon" or args.muon_weight_decay < 0):
+        p.error(f"--muon-weight-decay {args.muon_weight_decay}: only with --optimizer muon, and >= 0")
     return args
 
 
@@ -128,6 +136,48 @@ class MetricsLog:
             tmp.write_text("".join(json.dumps(row) + "\n" for row in self.rows))
 
 
+class Optimization:
+    """The optimizer(s) and their schedules: speculators' build_optimizers (adamw: one AdamW; muon:
+    Muon on the 2-D weight matrices and AdamW on the rest, two optimizers), each with the cosine
+    schedule and warm-up; what train() and benchmarks/profile_trainer.py step."""
+
+    def __init__(self, args, model):
+        from speculators.train.config.schema import OptimizerArgs
+        from speculators.train.optimizers import build_optimizers
+        from transformers import get_cosine_schedule_with_warmup
+
+        # what we do not set (Muon's momentum, Newton-Schulz steps, RMS matching) stays speculators' default
+        given = {"muon_weight_decay": args.muon_weight_decay} if args.muon_weight_decay is not None else {}
+        config = OptimizerArgs(optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay, muon_lr=args.lr,
+                               **given)
+        self.optimizers = build_optimizers(model, config)
+        self.schedulers = [get_cosine_schedule_with_warmup(o, args.warmup_steps, args.max_steps)
+                           for o in self.optimizers]
+
+    def zero_grad(self) -> None:
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=True)
+
+    def step(self) -> None:
+        for o in self.optimizers:
+            o.step()
+        for s in self.schedulers:
+            s.step()
+
+    def last_lr(self) -> float:
+        return self.schedulers[0].get_last_lr()[0]
+
+    def state_dict(self) -> dict:
+        return {"optimizers": [o.state_dict() for o in self.optimizers],
+                "schedulers": [s.state_dict() for s in self.schedulers]}
+
+    def load_state_dict(self, state: dict) -> None:
+        for o, st in zip(self.optimizers, state["optimizers"], strict=True):
+            o.load_state_dict(st)
+        for s, st in zip(self.schedulers, state["schedulers"], strict=True):
+            s.load_state_dict(st)
+
+
 # ----------------------------------------------------------------------------- training
 def train(args, stop_after: int | None = None) -> dict | None:
     """Run (or resume) training; returns the summary, or None when stopped early by ``stop_after``
@@ -164,10 +214,7 @@ def train(args, stop_after: int | None = None) -> dict | None:
     params = [p for p in model.parameters() if p.requires_grad]
     log.info("draft: %s trainable parameters, draft vocab %d, target vocab %d",
              f"{sum(p.numel() for p in params):,}", draft_vocab, model.verifier_vocab_size)
-    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
-    from transformers import get_cosine_schedule_with_warmup
-
-    scheduler = get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, args.max_steps)
+    optimization = Optimization(args, model)
     loss_config = resolve_loss_config(args.loss, LOSS_IMPLEMENTATION)
     head = load_target_head(args.model).to(device)
     strata = load_strata(args.model, args.context_buckets, args.trust_remote_code, split_categories(manifest, "eval"))
@@ -190,8 +237,7 @@ def train(args, stop_after: int | None = None) -> dict | None:
     if resume:
         ckpt, state, rows = resume
         checkpoints.load_weights(model, ckpt)
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
+        optimization.load_state_dict(state["optimization"])
         set_rng_state(state["rng"])
         step, position, train_tokens = state["step"], tuple(state["position"]), state["train_tokens"]
         evals, best = state["evals"], state["best"]
@@ -244,11 +290,10 @@ def train(args, stop_after: int | None = None) -> dict | None:
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
                 _, loss, m = ddp_model(**b, ttt_steps=args.ttt_steps,
                                        ttt_step_loss_decay=args.ttt_step_loss_decay, loss_config=loss_config)
-            optimizer.zero_grad(set_to_none=True)
+            optimization.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
-            optimizer.step()
-            scheduler.step()
+            optimization.step()
             step += 1
             tokens = batch["lengths"].sum().reshape(1).to(device)  # real tokens, not the pads
             stats = torch.stack([loss.detach().float()] + [m[f"full_acc_{s}_sum"].float() for s in range(args.ttt_steps)]
@@ -263,7 +308,7 @@ def train(args, stop_after: int | None = None) -> dict | None:
                 acc = {f"acc_{s}": round(float(stats[1 + s]) / max(1.0, float(stats[1 + args.ttt_steps + s])), 6)
                        for s in range(args.ttt_steps)}
                 metrics.write({"step": step, "split": "train", "loss": round(loss_value, 6), **acc,
-                               "lr": scheduler.get_last_lr()[0], "tokens_per_s": round(window_tokens / elapsed, 1),
+                               "lr": optimization.last_lr(), "tokens_per_s": round(window_tokens / elapsed, 1),
                                "train_tokens": train_tokens, "epoch": position[0]})
                 window_tokens, window_start = 0, time.perf_counter()
             is_ckpt = step % args.checkpoint_every == 0 or step == args.max_steps
@@ -277,7 +322,7 @@ def train(args, stop_after: int | None = None) -> dict | None:
                 if is_best:
                     best = {"step": step, "acceptance_length": al}  # the AL it was chosen by
                 if main_rank:
-                    state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                    state = {"optimization": optimization.state_dict(),
                              "position": list(position), "rng": rng_state(), "step": step, "world_size": world,
                              "digest": digest, "settings": settings, "train_tokens": train_tokens,
                              "evals": evals, "best": best}
