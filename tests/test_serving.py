@@ -319,7 +319,7 @@ def test_load_prompts_reads_prepared_samples_no_further_than_needed(tmp_path):
     (["--k", "0,1"], "distinct integers >= 1"),
     (["--gpu-memory-utilization", "1.5"], "must be in (0, 1]"),
     (["--engine-args", '{"dtype": "float16"}'], "benchmark_serving.engine_args.dtype: the serving benchmark sets it"),
-    (["--engine-args", "[1]"], "expected a JSON object of engine arguments"),
+    (["--engine-args", "[1]"], "expected a JSON object, got list"),
     (["--engine-args", "{max_num_seqs: 1}"], "not JSON"),
 ])
 def test_cli_rejects_bad_settings(tmp_path, capsys, args, message):

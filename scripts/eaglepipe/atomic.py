@@ -106,6 +106,19 @@ def read_json_object(path: str | os.PathLike, what: str, error: type[Exception] 
     return obj
 
 
+def json_object_argument(text: str) -> dict:
+    """An argparse ``type``: a JSON object given on the command line (e.g. keyword arguments)."""
+    import argparse
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e.msg})") from e
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {type(value).__name__}")
+    return value
+
+
 def sha256_file(path: str | os.PathLike) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()

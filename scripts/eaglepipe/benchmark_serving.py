@@ -34,7 +34,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from .atomic import atomic_path, write_json
+from .atomic import atomic_path, json_object_argument, write_json
 from .serving_sweep import (CONVENTION, PARITY_CONCURRENCY, counter_delta, engine_args_errors, explain_divergences,
                             parity_samples, recommend, spec_counters, sweep_rows, window_done, window_requests)
 from .tokenized_samples import iter_prepared
@@ -295,16 +295,6 @@ def int_list(text: str) -> list[int]:
     return sorted(values)
 
 
-def json_object(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"{text!r}: not JSON ({e})") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a JSON object of engine arguments")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="target: local dir or hub id")
@@ -329,7 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="the share of each GPU's memory one engine may take (weights, activations, KV cache)")
     add_kv_cache_argument(p)
-    p.add_argument("--engine-args", type=json_object, default={},
+    p.add_argument("--engine-args", type=json_object_argument, default={},
                    help="more vLLM engine arguments for every engine, as a JSON object (e.g. "
                         "'{\"max_num_seqs\": 8, \"async_scheduling\": true}'); the recommended serve command carries them")
     p.add_argument("--out", required=True, help="serving.json")

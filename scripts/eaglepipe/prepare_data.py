@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from eaglepipe.atomic import atomic_path, write_json
+from eaglepipe.atomic import atomic_path, json_object_argument, write_json
 from eaglepipe.chat_data import FORMS, Skip, iter_chats
 from eaglepipe.chat_template import RERENDERED, ChatTemplate, TemplateSkip, encode_chat, turn_text
 from eaglepipe.tokenized_samples import Tokenized, as_encoded, iter_tokenized
@@ -264,16 +264,6 @@ def prepare(args) -> dict:
     return stats
 
 
-def json_object(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not JSON ({e.msg})") from e
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {type(value).__name__}")
-    return value
-
-
 def main(argv=None):
     from pathlib import Path
 
@@ -290,7 +280,7 @@ def main(argv=None):
     p.add_argument("--max-length", type=int, default=2048)
     p.add_argument("--too-long", choices=["truncate", "drop"], default="truncate")
     p.add_argument("--chat-template", default=None, help="a template file used instead of the tokenizer's")
-    p.add_argument("--chat-template-kwargs", type=json_object, default={},
+    p.add_argument("--chat-template-kwargs", type=json_object_argument, default={},
                    help='JSON object passed to every rendering, e.g. \'{"enable_thinking": false}\'')
     p.add_argument("--rerendered-turns", choices=RERENDERED, default="own_sample",
                    help="assistant turns the template renders differently in history: their own sample, or "
