@@ -20,7 +20,8 @@
 #   bash benchmarks/gpu_compare_trainers.sh run-of RUN   one call, in an environment `setup.sh --gpu` set up
 #       (e.g. after gpu_pipeline.sh or gpu_regenerate_table.sh), on the shards, vocab mapping and target
 #       (the manifest's) of a pipeline run results/RUN: benchmarks/profile_trainer.py (our step by phase,
-#       a torch.profiler trace; PROFILE=0 skips it), then compare_trainers.py (ends by DEADLINE_S).
+#       a torch.profiler trace, once per optimizer in OURS_OPTIMIZERS at LR's first rate; PROFILE=0 skips
+#       it), then compare_trainers.py (ends by DEADLINE_S).
 #       Nothing else may use the GPU meanwhile: these are timings.
 #   bash benchmarks/gpu_compare_trainers.sh shards-of RUN   the shards and vocab mapping only (no training)
 #       of results/RUN under snakemake: gpu_long_context.sh's long1k data (the single-GPU preset, its
@@ -181,13 +182,16 @@ run-of)
   model=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["target"]["model"])' \
     "$run/hidden_states/manifest.json") || { echo "$run/hidden_states/manifest.json: no shards to compare on"; finish 1; }
   if [ "${PROFILE:-1}" = 1 ]; then
-    step profile python3 benchmarks/profile_trainer.py --manifest "$run/hidden_states/manifest.json" \
-      --vocab "$run/data/vocab_mapping.safetensors" --model "$model" --steps 60 --warmup 10 \
-      --batch-tokens "$BATCH_TOKENS" --ttt-steps 3 --lr "$LR" --warmup-steps "$WARMUP" --device cuda \
-      --torch-profiler "$W/prof" --json "$W/profile_trainer.json"
-    # the phase split and side figures; the torch.profiler table after them is in the JSON and the trace
-    awk '/^phase /{on=1} on && /^-----/{exit} on' "$W/profile.log" | tee -a "$W/summary.txt"
-    cp "$W/profile_trainer.json" "$O/" 2>/dev/null  # now: the comparison below may be cut at the call's limit
+    # once per optimizer of our runs (Muon's step is its own cost), at the grid's first rate
+    for opt in ${OURS_OPTIMIZERS//,/ }; do
+      step "profile_$opt" python3 benchmarks/profile_trainer.py --manifest "$run/hidden_states/manifest.json" \
+        --vocab "$run/data/vocab_mapping.safetensors" --model "$model" --steps 60 --warmup 10 \
+        --batch-tokens "$BATCH_TOKENS" --ttt-steps 3 --optimizer "$opt" --lr "${LR%%,*}" --warmup-steps "$WARMUP" \
+        --device cuda --torch-profiler "$W/prof_$opt" --json "$W/profile_trainer_$opt.json"
+      # the phase split and side figures; the torch.profiler table after them is in the JSON and the trace
+      awk '/^phase /{on=1} on && /^-----/{exit} on' "$W/profile_$opt.log" | tee -a "$W/summary.txt"
+      cp "$W/profile_trainer_$opt.json" "$O/" 2>/dev/null  # now: the comparison below may be cut at the call's limit
+    done
   fi
   step compare compare "$W/work" "$run/hidden_states/manifest.json" "$run/data/vocab_mapping.safetensors" "$model" \
     "$W/compare.json" "$STEPS" "$BATCH_TOKENS" --lr "$LR" --warmup-steps "$WARMUP" --ours-shuffle-buffers "$OURS_BUFFERS" \
