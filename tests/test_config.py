@@ -226,7 +226,7 @@ def test_engine_args_the_serving_benchmark_sets_itself_are_refused_naming_what_s
 
 def test_muon_weight_decay_needs_the_muon_optimizer():
     cfg = demo()
-    cfg["train"] = dict(cfg.get("train") or {}, muon_weight_decay=0.05)
+    cfg["train"] = dict(cfg.get("train") or {}, optimizer="adamw", muon_weight_decay=0.05)
     errors = config_errors(cfg, load_schema(SCHEMA))
     assert errors == ["config key train.muon_weight_decay = 0.05 is not allowed with train.optimizer 'adamw': "
                       "it sets the Muon group (optimizer muon)"]
