@@ -1,8 +1,10 @@
 """--kv-cache-gib (config vllm.kv_cache_gib): the engine arguments it becomes, the stages' checks of
-it, and each engine our code starts receiving it (vLLM replaced by a stand-in that records them)."""
+it, and each engine our code starts receiving it (vLLM replaced by a stand-in that records them);
+benchmark_serving.engine_args reaching the serving engines, checked against the installed vLLM's."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from types import ModuleType, SimpleNamespace
 
@@ -65,8 +67,12 @@ def llm_kwargs(monkeypatch) -> list[dict]:
     vllm.LLM, vllm.SamplingParams = llm, SimpleNamespace
     sampling = ModuleType("vllm.sampling_params")
     sampling.RequestOutputKind = SimpleNamespace(FINAL_ONLY="final", DELTA="delta")
+    arg_utils = ModuleType("vllm.engine.arg_utils")  # the engine arguments the installed vLLM knows
+    arg_utils.EngineArgs = dataclasses.make_dataclass("EngineArgs", ["model", "max_num_seqs", "async_scheduling"])
     monkeypatch.setitem(sys.modules, "vllm", vllm)
     monkeypatch.setitem(sys.modules, "vllm.sampling_params", sampling)
+    monkeypatch.setitem(sys.modules, "vllm.engine", ModuleType("vllm.engine"))
+    monkeypatch.setitem(sys.modules, "vllm.engine.arg_utils", arg_utils)
     return seen
 
 
@@ -79,7 +85,8 @@ def test_every_engine_gets_the_kv_cache(tmp_path, llm_kwargs, gib, expected):
                                    "--backend", "vllm", "--gpu-memory-utilization", "0.1",
                                    *(["--kv-cache-gib", str(gib)] if gib else [])])
     serving_settings = {"model": "m", "tensor_parallel_size": 1, "trust_remote_code": False, "dtype": "bfloat16",
-                        "gpu_memory_utilization": 0.1, "kv_cache_gib": gib, "max_tokens": 4, "draft": "d"}
+                        "gpu_memory_utilization": 0.1, "kv_cache_gib": gib, "max_tokens": 4, "draft": "d",
+                        "engine_args": {"max_num_seqs": 8}}
     starts = {
         "regeneration": lambda: rr.make_generator(regenerate_args, Sampling(0.0, 1.0, 4, (2,))),
         "extraction": lambda: ehs.load_backend(extract_args, [1, 2], 2, tmp_path / "staging"),
@@ -92,3 +99,14 @@ def test_every_engine_gets_the_kv_cache(tmp_path, llm_kwargs, gib, expected):
         kwargs = llm_kwargs.pop()
         assert {k: v for k, v in kwargs.items() if k == "kv_cache_memory_bytes"} == expected, name
         assert kwargs["gpu_memory_utilization"] == 0.1, name
+        assert kwargs.get("max_num_seqs") == (8 if name.startswith("serving") else None), name
+
+
+def test_an_engine_argument_the_installed_vllm_lacks_stops_the_serving_engine_before_it_loads(tmp_path, llm_kwargs):
+    settings = {"model": "m", "tensor_parallel_size": 1, "trust_remote_code": False, "dtype": "bfloat16",
+                "gpu_memory_utilization": 0.1, "kv_cache_gib": None, "max_tokens": 4, "draft": "d",
+                "engine_args": {"max_num_seqs": 8, "speculative_drafting_mode": "fast"}}
+    with pytest.raises(SystemExit, match="engine_args.speculative_drafting_mode: not an engine argument of the "
+                                         "installed vLLM"):
+        bs.run_engine(settings, [[1, 2]], 3, str(tmp_path / "r.json"))
+    assert llm_kwargs == []
