@@ -98,7 +98,9 @@ rule benchmark_serving:
         ulps=config["benchmark_serving"]["near_tie_ulps"],
         parity_k=lambda wc: parity_k(),
         parity_requests=parity_requests_flag(),
-        engine_args=json.dumps(config["benchmark_serving"]["engine_args"], sort_keys=True),
+        engine_args=json.dumps(
+            config["benchmark_serving"]["engine_args"], sort_keys=True
+        ),
         code=code_digest("benchmark_serving"),
     shell:
         # the parity set is all held out: the extraction's train split is this empty file
