@@ -214,8 +214,10 @@ def test_refuses_target_embedding_that_does_not_fit(run, tmp_path):
 def test_never_overwrites(run):
     (run / "draft").mkdir()
     (run / "draft" / "config.json").write_text("{}")
-    with pytest.raises(ex.ExportError, match="never overwritten"):
+    with pytest.raises(ex.ExportError, match="never overwritten") as e:
         export(run)
+    # the message gives the command that clears the way
+    assert str(e.value).endswith(f"delete it on purpose (rm -rf {run / 'draft'}) and run again")
 
 
 def test_cli_error_is_one_sentence(run):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -206,7 +207,8 @@ def export_draft(summary_path: str, which: str, verifier_name: str, k: int, drop
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise ExportError(f"--out-dir {out} already holds {sorted(p.name for p in out.iterdir())}; "
-                          f"a delivered draft is never overwritten, delete it on purpose")
+                          f"a delivered draft is never overwritten, delete it on purpose (rm -rf {shlex.quote(str(out))}) "
+                          f"and run again")
     with atomic_dir(out) as tmp:  # an empty out-dir (Snakemake may create it) is replaced
         (tmp / "config.json").write_text(json.dumps(written_cfg, indent=2, sort_keys=True) + "\n")
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
