@@ -57,6 +57,10 @@ OURS_LOSSES=${OURS_LOSSES:-kl_div}  # ... and per train.loss (rows ours-global, 
 OURS_TTT=${OURS_TTT:-3}           # ... and per TTT depth (rows ours-global, ours-global-ttt5)
 OURS_DECAYS=${OURS_DECAYS:-1.0}   # ... and per loss decay over the TTT positions (rows ours-global-decay0.8)
 OURS_OPTIMIZERS=${OURS_OPTIMIZERS:-adamw}  # ... and per train.optimizer (rows ours-global-muon)
+# compare_trainers' flags for the settings above, the same in every comparison this script runs
+GRID=(--lr "$LR" --warmup-steps "$WARMUP" --ours-shuffle-buffers "$OURS_BUFFERS" --ours-row-loaders "$ROW_LOADERS"
+  --ours-losses "$OURS_LOSSES" --ours-ttt-steps "$OURS_TTT" --ours-loss-decays "$OURS_DECAYS"
+  --ours-optimizers "$OURS_OPTIMIZERS" ${SPEC_DEFAULTS:+--spec-defaults})
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf   # build_target.py RECIPES["smollm2-gguf"]
 
 step() {  # step NAME cmd...: run, log to $W/NAME.log, report rc and seconds, stop on failure
@@ -107,10 +111,7 @@ pipeline() {  # data, extraction, vocab mapping, comparison on the target in $W/
     --token-freq .gpu/data/token_freq.safetensors --draft-vocab-size "$DRAFT_VOCAB" --out "$W/vocab.safetensors"
   tail -n 1 "$W/vocab.log" | tee -a "$W/summary.txt"
   step compare compare "$W/work" "$W/hs/manifest.json" "$W/vocab.safetensors" "$W/target" "$W/compare.json" \
-    "$STEPS" "$BATCH_TOKENS" --lr "$LR" --warmup-steps "$WARMUP" --ours-shuffle-buffers "$OURS_BUFFERS" \
-    --ours-row-loaders "$ROW_LOADERS" --ours-losses "$OURS_LOSSES" \
-    --ours-ttt-steps "$OURS_TTT" --ours-loss-decays "$OURS_DECAYS" --ours-optimizers "$OURS_OPTIMIZERS" \
-    ${SPEC_DEFAULTS:+--spec-defaults}
+    "$STEPS" "$BATCH_TOKENS" "${GRID[@]}"
   awk '/^trainer/{on=1} /^FINAL_OFFLINE_AL/{on=0} on' "$W/compare.log" | tee -a "$W/summary.txt"
   grep "^FINAL_OFFLINE_AL" "$W/compare.log" | tee -a "$W/summary.txt"
 }
@@ -194,10 +195,7 @@ run-of)
     done
   fi
   step compare compare "$W/work" "$run/hidden_states/manifest.json" "$run/data/vocab_mapping.safetensors" "$model" \
-    "$W/compare.json" "$STEPS" "$BATCH_TOKENS" --lr "$LR" --warmup-steps "$WARMUP" --ours-shuffle-buffers "$OURS_BUFFERS" \
-    --ours-row-loaders "$ROW_LOADERS" --ours-losses "$OURS_LOSSES" \
-    --ours-ttt-steps "$OURS_TTT" --ours-loss-decays "$OURS_DECAYS" --ours-optimizers "$OURS_OPTIMIZERS" \
-    ${SPEC_DEFAULTS:+--spec-defaults}
+    "$W/compare.json" "$STEPS" "$BATCH_TOKENS" "${GRID[@]}"
   awk '/^trainer/{on=1} /^FINAL_OFFLINE_AL/{on=0} on' "$W/compare.log" | tee -a "$W/summary.txt"
   grep "^FINAL_OFFLINE_AL" "$W/compare.log" | tee -a "$W/summary.txt"
   finish 0

@@ -87,13 +87,19 @@ chain() {  # the target once, then the runs at once
   return $rc
 }
 
+bench() {  # bench RUN OUT PARITY FLAGS...: benchmark_serving for RUN's draft on its 80 prompts, results in
+  # $W/OUT, the parity samples in $W/PARITY; FLAGS: K, concurrency and engine settings
+  local run=$1 out=$2 parity=$3; shift 3
+  python3 -m eaglepipe.benchmark_serving --model results/models/SmolLM2-135M-Instruct \
+    --serve-model HuggingFaceTB/SmolLM2-135M-Instruct --draft "results/$run/draft" \
+    --prompts "results/$run/data/eval.jsonl" --num-prompts 80 --max-tokens 256 --parity-k 3 "$@" \
+    --out "$W/$out" --parity-samples "$W/$parity"
+}
+
 serve() {  # serve RUN...: each run's draft alone on the GPU
   local run
   for run in "$@"; do
-    python3 -m eaglepipe.benchmark_serving --model results/models/SmolLM2-135M-Instruct \
-      --serve-model HuggingFaceTB/SmolLM2-135M-Instruct --draft "results/$run/draft" \
-      --prompts "results/$run/data/eval.jsonl" --num-prompts 80 --max-tokens 256 --concurrency 1,4 --k 2,3,4 \
-      --parity-k 3 --out "$W/serving_$run.json" --parity-samples "$W/parity_$run.jsonl" || return 1
+    bench "$run" "serving_$run.json" "parity_$run.jsonl" --concurrency 1,4 --k 2,3,4 || return 1
   done
 }
 
@@ -114,10 +120,7 @@ spread() {  # spread RUN [REPEATS]: its draft served (K=3, concurrency 1, 80 pro
         noasync) flags=(--engine-args '{"async_scheduling": false}') ;;
         *) echo "unknown spread setting $s" >&2; return 1 ;;
       esac
-      python3 -m eaglepipe.benchmark_serving --model results/models/SmolLM2-135M-Instruct \
-        --serve-model HuggingFaceTB/SmolLM2-135M-Instruct --draft "results/$run/draft" \
-        --prompts "results/$run/data/eval.jsonl" --num-prompts 80 --max-tokens 256 --concurrency 1 --k 3 \
-        --parity-k 3 "${flags[@]}" --out "$W/spread_${s}_$i.json" --parity-samples "$W/spread_parity_${s}_$i.jsonl" || return 1
+      bench "$run" "spread_${s}_$i.json" "spread_parity_${s}_$i.jsonl" --concurrency 1 --k 3 "${flags[@]}" || return 1
     done
   done
 }

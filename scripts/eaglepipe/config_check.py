@@ -114,9 +114,11 @@ def config_errors(config: dict, schema: dict) -> list[str]:
         out.append(f"config key {_key(err.absolute_path)} = {err.instance!r} is not allowed: "
                    f"it must be {_allowed(err)}")
     train = config.get("train") or {}
-    if train.get("muon_weight_decay") is not None and train.get("optimizer", "adamw") != "muon":
+    # this runs before validate fills in the schema's defaults: an absent optimizer is the schema's
+    optimizer = train.get("optimizer", schema["properties"]["train"]["properties"]["optimizer"]["default"])
+    if train.get("muon_weight_decay") is not None and optimizer != "muon":
         out.append(f"config key train.muon_weight_decay = {train['muon_weight_decay']!r} is not allowed with "
-                   f"train.optimizer {train.get('optimizer', 'adamw')!r}: it sets the Muon group (optimizer muon)")
+                   f"train.optimizer {optimizer!r}: it sets the Muon group (optimizer muon)")
     engine_args = (config.get("benchmark_serving") or {}).get("engine_args")
     if isinstance(engine_args, dict):
         out += [f"config key {e}" for e in engine_args_errors(engine_args)]

@@ -160,9 +160,10 @@ def engine_arg_flags(engine_args: dict) -> list[str]:
     (e.g. compilation_config) as JSON."""
     words = []
     for key, value in engine_args.items():
-        flag = "--" + key.replace("_", "-")
+        name = key.replace("_", "-")
+        flag = f"--{name}"
         if isinstance(value, bool):
-            words.append(flag if value else "--no-" + key.replace("_", "-"))
+            words.append(flag if value else f"--no-{name}")
         elif isinstance(value, dict):
             words += [flag, json.dumps(value)]
         elif isinstance(value, list):
