@@ -9,7 +9,7 @@ import torch
 from test_packed_data import make_run
 
 from eaglepipe.acceptance import (CHAIN_KEYS, Strata, add_counts, anchor_tensors, chain_counts, check_select_by,
-                                  eval_metrics, evaluate_rows, load_strata, select_value, split_categories,
+                                  draft_vocab_counts, eval_metrics, evaluate_rows, load_strata, select_value, split_categories,
                                   strata_counts, stratum_labels, summarize, summarize_strata)
 
 B = torch.tensor
@@ -88,7 +88,7 @@ class Oracle(torch.nn.Module):
     def __init__(self, draft, t2d_index, shift):
         super().__init__()
         self.draft, self.t2d_index, self.shift = draft, t2d_index, shift
-        self.d2t, self.verifier_norm = draft.d2t, draft.verifier_norm
+        self.d2t, self.t2d, self.verifier_norm = draft.d2t, draft.t2d, draft.verifier_norm
 
     def forward(self, input_ids, ttt_steps, **kw):
         _, loss, metrics = self.draft(input_ids=input_ids, ttt_steps=ttt_steps, **kw)
@@ -98,6 +98,18 @@ class Oracle(torch.nn.Module):
             ahead = torch.cat([ids[k + self.shift:], ids.new_zeros(k + self.shift)])
             tokens.append(self.t2d_index[ahead][None])
         return tokens, loss, metrics
+
+
+def test_draft_vocab_coverage_counts_scored_greedy_tokens_the_vocab_holds():
+    from types import SimpleNamespace
+
+    greedy = B([0, 1, 2, -1, 3])  # -1: not scored (greedy_tokens leaves it)
+    valid = bools([[1, 1], [1, 0], [1, 1], [0, 0], [0, 0]])  # step 0 scored at the first three positions
+    mapped = SimpleNamespace(t2d=bools([1, 0, 1, 0]))
+    assert {k: int(v) for k, v in draft_vocab_counts(mapped, greedy, valid).items()} == {"vocab_scored": 3,
+                                                                                        "vocab_held": 2}
+    full = SimpleNamespace(t2d=None)  # no mapping: the draft proposes every target token
+    assert int(draft_vocab_counts(full, greedy, valid)["vocab_held"]) == 3
 
 
 def test_stratum_labels_on_hand_built_row():
@@ -248,6 +260,7 @@ def test_ttt_alignment_oracle_reaches_accuracy_one(tiny_llama, tmp_path):
     counts = evaluate_rows(Oracle(draft, t2d_index, 1), rows, head, 3, loss, strata=strata)
     by = eval_metrics(counts, strata)
     assert {k: by[k] for k in right} == right  # the strata leave the overall figures as they were
+    assert by["draft_vocab_coverage"] == 1.0  # accuracy 1 at step 0 needs every greedy token in the vocab
     for name in ("context", "turn"):
         assert sum(s["anchors"] for s in by["strata"][name].values()) == right["anchors"]
     assert by["strata"]["context"][">16"]["anchors"] > 0 and by["strata"]["context"]["<=8"]["anchors"] > 0

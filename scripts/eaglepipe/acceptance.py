@@ -30,7 +30,7 @@ CONVENTION = ("acceptance_length = 1 + mean number of accepted draft tokens per 
               "accuracy_per_position[k] = P(step k correct) with teacher-forced inputs")
 AS_SERVED_KEY = "as_served"
 # the keys of summarize() that explain rather than measure (left out of per-step and per-stratum records)
-EXPLANATIONS = ("convention", "reference", "as_served_convention")
+EXPLANATIONS = ("convention", "reference", "as_served_convention", "draft_vocab_coverage_convention")
 # Every position is an anchor above: a mean over tokens. Serving drafts only where the previous draft
 # ended, so its AL is output tokens per draft: easy stretches (one draft per K+1 tokens) weigh less
 # than hard ones (one draft per token), and the mean over tokens is the higher of the two whenever
@@ -40,6 +40,10 @@ AS_SERVED = ("as_served: the anchors vLLM drafts at on this text (the first gene
              "acceptance_length = 1 + accepted tokens / drafts, accepted_per_position[i] = share of drafts "
              "whose steps 0..i were all accepted; this is the figure to hold against vLLM's AL on the same "
              "prompts")
+DRAFT_VOCAB_KEY = "draft_vocab_coverage"
+DRAFT_VOCAB_COVERAGE = ("draft_vocab_coverage = share of scored positions whose target greedy token is in the draft "
+                        "vocabulary (vocab_mapping's t2d); the draft cannot propose the others, so it bounds "
+                        "accuracy_per_position[0]; a low share asks for a larger draft.vocab_size")
 REFERENCE = ("target greedy token = argmax over the full target vocabulary of lm_head(final_norm(stored "
              "final-layer state)); a chain stops where the data token differs from it or the assistant "
              "span ends, so the estimate is conditional on the data path")
@@ -302,7 +306,7 @@ ROW_KEYS = ("hidden_states", "input_ids", "document_ids", "loss_mask", "position
 
 def row_chains(model, b: dict, head: torch.Tensor, k: int, loss_config, ttt_step_loss_decay: float = 1.0):
     """One row (tensors on the model's device) through the draft: ([T, K] hit, evaluable, valid as in
-    ``anchor_tensors``, speculators' loss, its metrics)."""
+    ``anchor_tensors``, speculators' loss, its metrics, [T] greedy target tokens as in ``greedy_tokens``)."""
     draft_tokens, loss, metrics = model(**b, ttt_steps=k, ttt_step_loss_decay=ttt_step_loss_decay,
                                         loss_config=loss_config)
     drafts = torch.cat(draft_tokens, dim=0)  # [K, T] in the draft vocabulary
@@ -310,7 +314,15 @@ def row_chains(model, b: dict, head: torch.Tensor, k: int, loss_config, ttt_step
         drafts = drafts + model.d2t[drafts]
     greedy = greedy_tokens(model, b["verifier_last_hidden_states"][0], head, b["loss_mask"][0].bool())
     hit, evaluable, valid = anchor_tensors(drafts, greedy, b["input_ids"][0], b["loss_mask"][0], b["document_ids"][0])
-    return hit, evaluable, valid, loss, metrics
+    return hit, evaluable, valid, loss, metrics, greedy
+
+
+def draft_vocab_counts(model, greedy: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
+    """How many scored positions (step 0 of ``valid``) have a greedy target token the draft vocabulary
+    holds: the draft never proposes the others, so their share bounds every position's acceptance."""
+    scored = valid[:, 0]
+    held = scored if model.t2d is None else scored & model.t2d[greedy.clamp(min=0)]
+    return {"vocab_scored": scored.sum(), "vocab_held": held.sum()}
 
 
 def walk_counts(hit: torch.Tensor, evaluable: torch.Tensor, valid: torch.Tensor, loss_mask: torch.Tensor,
@@ -367,8 +379,9 @@ def evaluate_rows(model, rows, head: torch.Tensor, k: int, loss_config, ttt_step
     total = None
     for batch in rows:
         b = {key: batch[key].to(device) for key in ROW_KEYS}
-        hit, evaluable, valid, loss, metrics = row_chains(model, b, head, k, loss_config, ttt_step_loss_decay)
+        hit, evaluable, valid, loss, metrics, greedy = row_chains(model, b, head, k, loss_config, ttt_step_loss_decay)
         counts = chain_counts(hit, evaluable, valid)
+        counts.update(draft_vocab_counts(model, greedy, valid))
         walk = walk_counts(hit, evaluable, valid, b["loss_mask"][0], b["document_ids"][0])
         counts.update({f"walk_{key}": torch.tensor(walk[key], dtype=torch.long, device=device)
                        for key in ("drafts", "cut", "tail")},
@@ -404,6 +417,9 @@ def eval_metrics(counts: dict, strata: Strata | None = None) -> dict:
     if strata is not None:
         out["strata"] = summarize_strata(counts, strata)
     out["tokens_evaluated"] = int(counts["tokens"])
+    scored = int(counts["vocab_scored"])
+    out[DRAFT_VOCAB_KEY] = round(int(counts["vocab_held"]) / scored, 6) if scored else None
+    out["draft_vocab_coverage_convention"] = DRAFT_VOCAB_COVERAGE
     w = float(counts["loss_weight"])
     out["loss"] = round(float(counts["loss_weighted"]) / w, 6) if w else None
     for s, (c, n) in enumerate(zip(counts["acc_correct"], counts["acc_total"], strict=True)):

@@ -97,6 +97,7 @@ def card(config: dict, summary: dict, which: str, data_stats: dict, offline: dic
         f"- offline acceptance length on held-out data: {_field(offline, 'acceptance_length', where['offline'])} "
         f"(k={offline.get('k')}, {offline.get('tokens_evaluated', 'n/a')} tokens)",
         f"- per-position acceptance: {offline.get('per_position_acceptance', 'n/a')}",
+        f"- target tokens the draft vocabulary holds (bounds acceptance): {offline.get('draft_vocab_coverage', 'n/a')}",
     ]
     as_served = offline.get("as_served")
     if as_served:

@@ -113,8 +113,6 @@ def run_settings(args, manifest: dict) -> dict:
     return dict(settings, model=str(args.model), data=data.hexdigest()[:16], vocab=sha256_file(args.vocab)[:16])
 
 
-
-
 class MetricsLog:
     """The metrics rows: kept in memory and in every checkpoint (Snakemake deletes the declared
     metrics.jsonl of a failed job, so a resumed run takes the rows before its step from the
@@ -261,8 +259,9 @@ def train(args, stop_after: int | None = None) -> dict | None:
         ev = eval_metrics(counts, strata)
         row = {"step": at_step, "split": "eval", **{k: v for k, v in ev.items() if k not in EXPLANATIONS}}
         metrics.write(row)
-        log.info("eval at step %d: acceptance length %s, per-position acceptance %s, loss %s", at_step,
-                 ev["acceptance_length"], ev["per_position_acceptance"], ev["loss"])
+        log.info("eval at step %d: acceptance length %s, per-position acceptance %s, loss %s, draft vocab "
+                 "coverage %s", at_step, ev["acceptance_length"], ev["per_position_acceptance"], ev["loss"],
+                 ev["draft_vocab_coverage"])
         evals[at_step] = ev
         return ev
 
