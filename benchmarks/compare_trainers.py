@@ -58,7 +58,7 @@ from eaglepipe.atomic import read_json_object, write_json  # noqa: E402
 from eaglepipe.draft_model import LOSS_IMPLEMENTATION  # noqa: E402
 from eaglepipe.packed_data import GLOBAL, ROW_LOADERS, shuffle_buffer  # noqa: E402
 from eaglepipe.shards import load_manifest, read_shard, shard_paths  # noqa: E402
-from eaglepipe.train_draft import OPTIMIZERS  # noqa: E402
+from eaglepipe.train_draft import FROZEN, LM_HEADS, OPTIMIZERS, TRAINED  # noqa: E402
 
 SPEC_CHILD = "--speculators-child"  # internal: run speculators' trainer in this (child) process
 
@@ -269,12 +269,13 @@ def made_from(args, **run) -> dict:
 
 
 def ours_name(buffer_gib: float | str, row_loader: str = "thread", loss: str = "kl_div", ttt_steps: int | None = None,
-              loss_decay: float = 1.0, optimizer: str = "adamw") -> str:
-    """ours[-bufN|-global][-process][-<loss>][-tttN][-decayD][-muon]; ttt_steps None: the comparison's --ttt-steps."""
+              loss_decay: float = 1.0, optimizer: str = "adamw", lm_head: str = FROZEN) -> str:
+    """ours[-bufN|-global][-process][-<loss>][-tttN][-decayD][-muon][-lmhead]; ttt_steps None: the
+    comparison's --ttt-steps."""
     return (("ours" if buffer_gib == 0 else f"ours-{GLOBAL}" if buffer_gib == GLOBAL else f"ours-buf{buffer_gib:g}")
             + ("" if row_loader == "thread" else f"-{row_loader}") + ("" if loss == "kl_div" else f"-{loss}")
             + ("" if ttt_steps is None else f"-ttt{ttt_steps}") + ("" if loss_decay == 1.0 else f"-decay{loss_decay:g}")
-            + ("" if optimizer == "adamw" else f"-{optimizer}"))
+            + ("" if optimizer == "adamw" else f"-{optimizer}") + ("" if lm_head == FROZEN else "-lmhead"))
 
 
 def run_name(trainer: str, lr: float, lrs: list[float]) -> str:
@@ -284,7 +285,7 @@ def run_name(trainer: str, lr: float, lrs: list[float]) -> str:
 
 def train_ours(args, work: Path, variant: dict, lr: float, name: str) -> dict:
     """One run of our trainer; ``variant``: its shuffle_buffer_gib, row_loader, loss, ttt_steps,
-    ttt_step_loss_decay and optimizer."""
+    ttt_step_loss_decay, optimizer and lm_head (frozen or trained)."""
     out = work / name
     if out.exists():  # a killed run: start over, or the timing would mix two processes
         shutil.rmtree(out)
@@ -295,7 +296,8 @@ def train_ours(args, work: Path, variant: dict, lr: float, name: str) -> dict:
            "--warmup-steps", str(args.warmup_steps), "--max-steps", str(args.steps),
            "--batch-tokens", str(args.batch_tokens), "--shuffle-buffer-gib", str(variant["shuffle_buffer_gib"]),
            "--row-loader", variant["row_loader"], "--eval-every", str(args.steps),
-           "--checkpoint-every", str(args.steps), "--loss", variant["loss"], "--seed", str(args.seed)]
+           "--checkpoint-every", str(args.steps), "--loss", variant["loss"], "--seed", str(args.seed),
+           "--lm-head", variant["lm_head"]]
     wall = run_logged(cmd, work / f"{name}_train.log", {"PYTHONPATH": pythonpath()})
     summary = read_json_object(out / "summary.json", "training summary", SystemExit)
     return {"wall_s": round(wall, 1), "lr": lr, "draft": str(out / summary["last"]),
@@ -455,6 +457,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="our trainer once per train.optimizer, e.g. adamw,muon (rows ours-global, ours-global-muon: "
                         "Muon on the 2-D weights at the same rate, speculators' split and defaults); speculators "
                         "keeps adamw at --lr (its defaults, Muon, under --spec-defaults)")
+    p.add_argument("--ours-lm-heads", default=FROZEN,
+                   help=f"our trainer once per state of the draft's lm_head, e.g. {FROZEN},{TRAINED} (rows ours-global, "
+                        f"ours-global-lmhead: train_draft --lm-head {TRAINED}, as EAGLE-3's and SpecForge's trainers); "
+                        f"speculators keeps it {FROZEN}")
     p.add_argument("--spec-defaults", action="store_true",
                    help=f"also speculators with its own optimizer, learning rate, weight decay and schedule "
                         f"(row {SPEC_DEFAULTS}; speculators 0.9: Muon, lr 1e-3, linear decay)")
@@ -473,6 +479,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.ours_optimizers = list(dict.fromkeys(args.ours_optimizers.split(",")))
     if unknown := [o for o in args.ours_optimizers if o not in OPTIMIZERS]:
         p.error(f"--ours-optimizers {','.join(unknown)}: each one of {', '.join(OPTIMIZERS)}")
+    args.ours_lm_heads = list(dict.fromkeys(args.ours_lm_heads.split(",")))
+    if unknown := [h for h in args.ours_lm_heads if h not in LM_HEADS]:
+        p.error(f"--ours-lm-heads {','.join(unknown)}: each one of {', '.join(LM_HEADS)}")
     args.ours_losses = list(dict.fromkeys(args.ours_losses.split(",")))
     from speculators.losses import resolve_loss_config
 
@@ -522,12 +531,13 @@ def main(argv=None) -> None:
 
     for lr in args.lr:  # interleaved, so a drift of the machine's speed hits both trainers
         spec = run_name("speculators", lr, args.lr)
-        for g, loader, loss, ttt, decay, opt in itertools.product(
+        for g, loader, loss, ttt, decay, opt, head in itertools.product(
                 args.ours_shuffle_buffers, args.ours_row_loaders, args.ours_losses, args.ours_ttt_steps,
-                args.ours_loss_decays, args.ours_optimizers):
+                args.ours_loss_decays, args.ours_optimizers, args.ours_lm_heads):
             variant = {"shuffle_buffer_gib": g, "row_loader": loader, "loss": loss, "ttt_steps": ttt,
-                       "ttt_step_loss_decay": decay, "optimizer": opt}
-            name = run_name(ours_name(g, loader, loss, None if ttt == args.ttt_steps else ttt, decay, opt), lr, args.lr)
+                       "ttt_step_loss_decay": decay, "optimizer": opt, "lm_head": head}
+            name = run_name(ours_name(g, loader, loss, None if ttt == args.ttt_steps else ttt, decay, opt, head),
+                            lr, args.lr)
             measure(name, lambda variant=variant, lr=lr, name=name: train_ours(args, work, variant, lr, name),
                     made_from(args, lr=lr, **variant))
             pairs.append((name, spec))

@@ -39,7 +39,8 @@
 # ROW_LOADERS (train_draft --row-loader of our runs, default thread; thread,process runs both),
 # OURS_LOSSES (train.loss of our runs, default kl_div; kl_div,lk_hybrid runs both), OURS_TTT (TTT depths of
 # our runs, default 3, what speculators trains; 3,5 runs both), OURS_DECAYS (--ttt-step-loss-decay of our runs, default 1.0;
-# 1,0.8 runs both), OURS_OPTIMIZERS (train.optimizer of our runs, default adamw; adamw,muon runs both), SPEC_DEFAULTS=1 (also
+# 1,0.8 runs both), OURS_OPTIMIZERS (train.optimizer of our runs, default adamw; adamw,muon runs both), OURS_LM_HEADS
+# (train.lm_head of our runs, default frozen; frozen,trained runs both), SPEC_DEFAULTS=1 (also
 # speculators at its own optimizer, rate and schedule: Muon, 1e-3, linear).
 # Results in $OUT: compare.json (compare_trainers --json), summary.txt, logs.tar.gz.
 set -uo pipefail
@@ -57,10 +58,11 @@ OURS_LOSSES=${OURS_LOSSES:-kl_div}  # ... and per train.loss (rows ours-global, 
 OURS_TTT=${OURS_TTT:-3}           # ... and per TTT depth (rows ours-global, ours-global-ttt5)
 OURS_DECAYS=${OURS_DECAYS:-1.0}   # ... and per loss decay over the TTT positions (rows ours-global-decay0.8)
 OURS_OPTIMIZERS=${OURS_OPTIMIZERS:-adamw}  # ... and per train.optimizer (rows ours-global-muon)
+OURS_LM_HEADS=${OURS_LM_HEADS:-frozen}  # ... and per train.lm_head (rows ours-global-lmhead)
 # compare_trainers' flags for the settings above, the same in every comparison this script runs
 GRID=(--lr "$LR" --warmup-steps "$WARMUP" --ours-shuffle-buffers "$OURS_BUFFERS" --ours-row-loaders "$ROW_LOADERS"
   --ours-losses "$OURS_LOSSES" --ours-ttt-steps "$OURS_TTT" --ours-loss-decays "$OURS_DECAYS"
-  --ours-optimizers "$OURS_OPTIMIZERS" ${SPEC_DEFAULTS:+--spec-defaults})
+  --ours-optimizers "$OURS_OPTIMIZERS" --ours-lm-heads "$OURS_LM_HEADS" ${SPEC_DEFAULTS:+--spec-defaults})
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf   # build_target.py RECIPES["smollm2-gguf"]
 
 step() {  # step NAME cmd...: run, log to $W/NAME.log, report rc and seconds, stop on failure

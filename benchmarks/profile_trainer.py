@@ -46,7 +46,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 from eaglepipe import train_draft  # noqa: E402
 from eaglepipe.acceptance import ROW_KEYS, eval_metrics, evaluate_rows, load_strata  # noqa: E402
 from eaglepipe.atomic import write_json  # noqa: E402
-from eaglepipe.draft_model import (LOSS_IMPLEMENTATION, build_draft, load_target_head,  # noqa: E402
+from eaglepipe.draft_model import (LOSS_IMPLEMENTATION, load_target_head,  # noqa: E402
                                    training_row_options)
 from eaglepipe.layers import aux_layer_ids, validate_layer_ids  # noqa: E402
 from eaglepipe.packed_data import PackedRows, shuffle_window  # noqa: E402
@@ -118,8 +118,7 @@ class Trainer:
         layer_ids = [int(i) for i in self.manifest["layer_ids"]]
         validate_layer_ids(layer_ids, int(self.manifest["target"].get("num_hidden_layers", layer_ids[-1])))
         torch.manual_seed(targs.seed)
-        self.model = build_draft(targs.model, aux_layer_ids(layer_ids), targs.vocab, targs.ttt_steps, device,
-                                 targs.trust_remote_code, targs.draft_architecture, targs.draft_mlp_width)
+        self.model = train_draft.new_draft(targs, aux_layer_ids(layer_ids), device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimization = train_draft.Optimization(targs, self.model)
         self.loss_config = resolve_loss_config(targs.loss, LOSS_IMPLEMENTATION)

@@ -28,6 +28,7 @@ rule train_draft:
             if config["train"]["muon_weight_decay"] is not None
             else ""
         ),
+        lm_head=config["train"]["lm_head"],
         lr=config["train"]["lr"],
         wd=config["train"]["weight_decay"],
         warmup=config["train"]["warmup_steps"],
@@ -57,7 +58,8 @@ rule train_draft:
         f"{STAGE_ENV} exec {{params.launcher}} eaglepipe.train_draft "
         "--manifest {input.manifest} --vocab {input.vocab} --model {params.model} {params.trust} "
         "--out-dir {params.outdir} --ttt-steps {params.ttt} --ttt-step-loss-decay {params.decay} "
-        "{params.optimizer} --lr {params.lr} --weight-decay {params.wd} --warmup-steps {params.warmup} "
+        "{params.optimizer} --lm-head {params.lm_head} --lr {params.lr} --weight-decay {params.wd} "
+        "--warmup-steps {params.warmup} "
         "--max-steps {params.steps} --batch-tokens {params.batch_tokens} --shuffle-buffer-gib {params.shuffle_buffer} "
         "--eval-every {params.eval_every} --checkpoint-every {params.ckpt_every} "
         "--loss {params.loss} --seed {params.seed} {params.draft} "

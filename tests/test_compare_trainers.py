@@ -217,6 +217,9 @@ def test_our_trainer_runs_once_per_shuffle_buffer_and_both_once_per_learning_rat
     assert ct.ours_name(4, "thread", "lk_hybrid") == "ours-buf4-lk_hybrid"
     assert ct.ours_name("global", "thread", "kl_div", 5, 0.8) == "ours-global-ttt5-decay0.8"
     assert ct.ours_name("global", optimizer="muon") == "ours-global-muon"
+    assert ct.ours_name("global", optimizer="muon", lm_head="trained") == "ours-global-muon-lmhead"
+    assert args_for(run, tmp_path).ours_lm_heads == ["frozen"]
+    assert args_for(run, tmp_path, **{"--ours-lm-heads": "trained,frozen"}).ours_lm_heads == ["trained", "frozen"]
     assert args_for(run, tmp_path).ours_optimizers == ["adamw"]
     assert args_for(run, tmp_path, **{"--ours-optimizers": "muon,adamw,muon"}).ours_optimizers == ["muon", "adamw"]
     assert args_for(run, tmp_path).ours_ttt_steps == [3] and args_for(run, tmp_path).ours_loss_decays == [1.0]
@@ -232,10 +235,31 @@ def test_our_trainer_runs_once_per_shuffle_buffer_and_both_once_per_learning_rat
     for flag, bad in (("--ours-shuffle-buffers", "-1,4"), ("--ours-shuffle-buffers", "x"), ("--lr", "0,0.001"),
                       ("--lr", "1e-3,fast"), ("--ours-row-loaders", "thread,auto"), ("--ours-losses", "kl_div,kl"),
                       ("--ours-ttt-steps", "3,0"), ("--ours-ttt-steps", "3.5"), ("--ours-loss-decays", "0,1"),
-                      ("--ours-optimizers", "adamw,sgd")):
+                      ("--ours-optimizers", "adamw,sgd"), ("--ours-lm-heads", "frozen,tied")):
         with pytest.raises(SystemExit):
             args_for(run, tmp_path, **{flag: bad})
         assert flag in capsys.readouterr().err
+
+
+def test_our_runs_pass_their_variant_to_train_draft(run, tmp_path, monkeypatch):
+    """The command train_ours builds is one train_draft parses, with the variant's settings."""
+    from eaglepipe import train_draft
+
+    class Ran(Exception):
+        pass
+
+    def run_logged(cmd, log, env=None):
+        assert cmd[1:3] == ["-m", "eaglepipe.train_draft"]
+        raise Ran(train_draft.parse_args(cmd[3:]))
+
+    monkeypatch.setattr(ct, "run_logged", run_logged)
+    variant = {"shuffle_buffer_gib": "global", "row_loader": "thread", "loss": "kl_div", "ttt_steps": 5,
+               "ttt_step_loss_decay": 0.8, "optimizer": "muon", "lm_head": "trained"}
+    (tmp_path / "work").mkdir()
+    with pytest.raises(Ran) as ran:
+        ct.train_ours(args_for(run, tmp_path), tmp_path / "work", variant, 0.003, "ours-x")
+    got = vars(ran.value.args[0])
+    assert {k: got[k] for k in variant} == variant and got["lr"] == 0.003 and got["max_steps"] == 7
 
 
 def grid_results(runs: dict, lrs: list[float]) -> dict:
@@ -355,6 +379,11 @@ def test_main_runs_the_grid_interleaved_and_resumes(run, tmp_path, monkeypatch, 
     assert order[10:] == ["ours-global-muon"]  # ours-global (adamw) is the run above, reused
     made = json.loads((tmp_path / "o.json").read_text())["runs"]["ours-global-muon"]["made_from"]
     assert made["optimizer"] == "muon"
+    del order[10:]  # the lm_head trained: ours once more, speculators reused
+    ct.main([*argv[:-6], "--lr", "0.0015", "--ours-lm-heads", "frozen,trained"])
+    assert order[10:] == ["ours-global-lmhead"]
+    made = json.loads((tmp_path / "o.json").read_text())["runs"]["ours-global-lmhead"]["made_from"]
+    assert made["lm_head"] == "trained"
 
 
 def test_a_comparison_cut_short_keeps_the_runs_it_finished_scored(run, tmp_path, monkeypatch):

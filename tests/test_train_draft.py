@@ -215,6 +215,26 @@ def test_muon_takes_the_decoders_matrices_and_adamw_the_rest(run, tmp_path):
     assert type(only) is torch.optim.AdamW  # the default
 
 
+def test_lm_head_stays_the_targets_rows_unless_trained(run, tmp_path):
+    """frozen (speculators'): the checkpoint's lm_head is the target's rows of the draft vocabulary;
+    trained: it moves, by AdamW under Muon too, and the checkpoint (what export copies) carries it."""
+    from eaglepipe.draft_model import load_target_head, load_vocab_mapping
+
+    rows = load_target_head(run["model"])[load_vocab_mapping(run["vocab"])[1]]
+    frozen = tmp_path / "frozen"
+    train_draft.main(argv(run, frozen, optimizer="muon"))
+    assert torch.equal(weights(frozen, 6)["lm_head.weight"].float(), rows)
+    trained = tmp_path / "trained"
+    train_draft.main([*argv(run, trained, optimizer="muon"), "--lm-head", "trained"])
+    moved = weights(trained, 6)["lm_head.weight"].float()
+    assert moved.shape == rows.shape and not torch.allclose(moved, rows)
+    args = train_draft.parse_args([*argv(run, tmp_path, optimizer="muon"), "--lm-head", "trained"])
+    model = train_draft.new_draft(args, [1, 3, 5], "cpu")
+    muon, adamw = train_draft.Optimization(args, model).optimizers
+    assert any(p is model.lm_head.weight for g in adamw.param_groups for p in g["params"])
+    assert not any(p is model.lm_head.weight for g in muon.param_groups for p in g["params"])
+
+
 def test_bad_flags_and_inputs_are_clear_errors(run, tmp_path, capsys):
     with pytest.raises(SystemExit):
         train_draft.parse_args(argv(run, tmp_path, max_steps=0))
@@ -244,7 +264,7 @@ def test_every_flag_changes_the_run_settings_unless_listed_as_neutral(run, tmp_p
     manifest = json.loads(run["manifest"].read_text())
     settings = train_draft.run_settings(args, manifest)
     assert flags - set(train_draft.RESULT_NEUTRAL) <= set(settings)
-    for flag, value in (("eval_every", 2), ("checkpoint_every", 3), ("loss", "ce")):
+    for flag, value in (("eval_every", 2), ("checkpoint_every", 3), ("loss", "ce"), ("lm_head", "trained")):
         changed = train_draft.run_settings(train_draft.parse_args(argv(run, tmp_path, **{flag: value})), manifest)
         assert changed != settings, flag
     moved = train_draft.run_settings(train_draft.parse_args(argv(run, tmp_path / "elsewhere")), manifest)

@@ -38,6 +38,8 @@ from .shards import load_manifest
 
 log = logging.getLogger("eaglepipe.train_draft")
 OPTIMIZERS = ("adamw", "muon")  # speculators 0.9.0's (speculators/train/optimizers.py)
+FROZEN, TRAINED = "frozen", "trained"
+LM_HEADS = (FROZEN, TRAINED)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-architecture", default="auto", choices=ARCHITECTURES,
                    help="decoder layer: mla for MLA targets under auto, else llama (draft_model.resolve_architecture)")
     p.add_argument("--draft-mlp-width", type=int, default=None, help="dense MLP width (default: the target's)")
+    p.add_argument("--lm-head", default=FROZEN, choices=LM_HEADS,
+                   help=f"the draft's lm_head (the target's rows of the draft vocabulary to start with): {FROZEN}, as "
+                        f"speculators keeps it, or {TRAINED} (by AdamW under either optimizer), as EAGLE-3's and "
+                        "SpecForge's trainers do")
     p.add_argument("--ttt-steps", type=int, default=3)
     p.add_argument("--ttt-step-loss-decay", type=float, default=1.0)
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS,
@@ -104,6 +110,18 @@ RESULT_NEUTRAL = {
     "vocab": "its content is digested instead (settings 'vocab')",
     "row_loader": "the same rows whichever packs them",
 }
+
+
+def new_draft(args, aux_ids: list[int], device):
+    """The draft train() and benchmarks/profile_trainer.py train: speculators' model for the target, its
+    lm_head trainable with --lm-head trained (speculators freezes it with the verifier's tensors; its Muon
+    split keeps it in the AdamW group)."""
+    from .draft_model import build_draft
+
+    model = build_draft(args.model, aux_ids, args.vocab, args.ttt_steps, device, args.trust_remote_code,
+                        args.draft_architecture, args.draft_mlp_width)
+    model.lm_head.weight.requires_grad_(args.lm_head == TRAINED)
+    return model
 
 
 def run_settings(args, manifest: dict) -> dict:
@@ -183,7 +201,7 @@ def train(args, stop_after: int | None = None) -> dict | None:
     from speculators.losses import resolve_loss_config
 
     from .acceptance import check_select_by, eval_metrics, evaluate_rows, load_strata, select_value, split_categories
-    from .draft_model import build_draft, load_target_head, row_length, training_row_options
+    from .draft_model import load_target_head, row_length, training_row_options
 
     threads = set_threads()
     rank, world, device = setup_distributed()
@@ -206,8 +224,7 @@ def train(args, stop_after: int | None = None) -> dict | None:
 
     random.seed(args.seed)
     torch.manual_seed(args.seed)
-    model = build_draft(args.model, aux_ids, args.vocab, args.ttt_steps, device, args.trust_remote_code,
-                        args.draft_architecture, args.draft_mlp_width)
+    model = new_draft(args, aux_ids, device)
     draft_vocab = int(model.draft_vocab_size)
     params = [p for p in model.parameters() if p.requires_grad]
     log.info("draft: %s trainable parameters, draft vocab %d, target vocab %d",
