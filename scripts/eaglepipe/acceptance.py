@@ -319,7 +319,7 @@ def row_chains(model, b: dict, head: torch.Tensor, k: int, loss_config, ttt_step
 
 def draft_vocab_counts(model, greedy: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
     """How many scored positions (step 0 of ``valid``) have a greedy target token the draft vocabulary
-    holds: the draft never proposes the others, so their share bounds every position's acceptance."""
+    holds: the draft never proposes the others, so their share bounds step 0's accuracy (DRAFT_VOCAB_COVERAGE)."""
     scored = valid[:, 0]
     held = scored if model.t2d is None else scored & model.t2d[greedy.clamp(min=0)]
     return {"vocab_scored": scored.sum(), "vocab_held": held.sum()}

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from . import checkpoints
-from .acceptance import EXPLANATIONS, OVERALL, add_strata_arguments
+from .acceptance import DRAFT_VOCAB_KEY, EXPLANATIONS, OVERALL, add_strata_arguments
 from .atomic import atomic_path, sha256_file, write_json
 from .dir_lock import dir_lock
 from .draft_model import ARCHITECTURES, LOSS_IMPLEMENTATION
@@ -278,7 +278,7 @@ def train(args, stop_after: int | None = None) -> dict | None:
         metrics.write(row)
         log.info("eval at step %d: acceptance length %s, per-position acceptance %s, loss %s, draft vocab "
                  "coverage %s", at_step, ev["acceptance_length"], ev["per_position_acceptance"], ev["loss"],
-                 ev["draft_vocab_coverage"])
+                 ev[DRAFT_VOCAB_KEY])
         evals[at_step] = ev
         return ev
 
