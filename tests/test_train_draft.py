@@ -211,8 +211,9 @@ def test_muon_takes_the_decoders_matrices_and_adamw_the_rest(run, tmp_path):
     assert muon.param_groups[0]["weight_decay"] == 0.1 and muon.param_groups[0]["lr"] == adamw.param_groups[0]["lr"]
     args = train_draft.parse_args([*argv(run, tmp_path, optimizer="muon"), "--muon-weight-decay", "0"])
     assert train_draft.Optimization(args, model).optimizers[0].param_groups[0]["weight_decay"] == 0.0
-    (only,) = train_draft.Optimization(train_draft.parse_args(argv(run, tmp_path)), model).optimizers
-    assert type(only) is torch.optim.AdamW  # the default
+    (only,) = train_draft.Optimization(train_draft.parse_args(argv(run, tmp_path, optimizer="adamw")), model).optimizers
+    assert type(only) is torch.optim.AdamW
+    assert train_draft.parse_args(argv(run, tmp_path)).optimizer == "muon"  # the default, the schema's
 
 
 def test_lm_head_stays_the_targets_rows_unless_trained(run, tmp_path):
@@ -244,7 +245,7 @@ def test_bad_flags_and_inputs_are_clear_errors(run, tmp_path, capsys):
         with pytest.raises(SystemExit):
             train_draft.parse_args([*argv(run, tmp_path), "--shuffle-buffer-gib", bad])
         assert f"'{bad}': global or a number of GiB >= 0" in capsys.readouterr().err
-    for bad in (["--muon-weight-decay", "0.1"], ["--optimizer", "muon", "--muon-weight-decay", "-1"]):
+    for bad in (["--optimizer", "adamw", "--muon-weight-decay", "0.1"], ["--muon-weight-decay", "-1"]):
         with pytest.raises(SystemExit):
             train_draft.parse_args([*argv(run, tmp_path), *bad])
         assert "only with --optimizer muon, and >= 0" in capsys.readouterr().err

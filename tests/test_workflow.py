@@ -330,7 +330,7 @@ def test_h200_preset_dry_run_plans_every_stage_on_one_gpu(tmp_path):
         assert flag in extract, (flag, extract)
     train = block("train_draft")
     assert "gpu=1" in train and "exec python -m eaglepipe.train_draft" in train
-    for flag in ("--max-steps 1000 ", "--batch-tokens 8192 ", "--optimizer adamw ", "--lm-head frozen ", "--lr 0.0015 ",
+    for flag in ("--max-steps 1000 ", "--batch-tokens 8192 ", "--optimizer muon ", "--lm-head frozen ", "--lr 0.003 ",
                  "--warmup-steps 50 "):
         assert flag in train, (flag, train)
     assert "VLLM_CACHE_ROOT=results/smollm2-h200/vllm-cache " in block("benchmark_serving")

@@ -58,10 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "SpecForge's trainers do")
     p.add_argument("--ttt-steps", type=int, default=3)
     p.add_argument("--ttt-step-loss-decay", type=float, default=1.0)
-    p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS,
-                   help="adamw, or muon: torch's Muon on the decoder's 2-D weight matrices at --lr (its update "
-                        "scaled to AdamW's RMS) and AdamW on the rest (speculators' build_optimizers, its defaults)")
-    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--optimizer", default="muon", choices=OPTIMIZERS,
+                   help="muon: torch's Muon on the decoder's 2-D weight matrices at --lr (its update scaled to "
+                        "AdamW's RMS) and AdamW on the rest (speculators' build_optimizers, its defaults); or adamw")
+    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--muon-weight-decay", type=float, default=None,
                    help="weight decay of the Muon group (--optimizer muon); default speculators' (0.1 in 0.9.0)")
