@@ -34,6 +34,19 @@ from eaglepipe.regenerate_responses import (  # noqa: E402
 )
 
 
+def first_turn_prompts(data: str, template, max_samples: int, max_prompt_len: int):
+    """The first ``max_samples`` chats of ``data`` and (id, prompt ids) of each one's first user turn, rendered
+    as regeneration renders it, for the prompts of at most ``max_prompt_len`` tokens."""
+    chats = [c for c, _ in zip((c for c in read_set(data) if isinstance(c, Chat)), range(max_samples))]
+    first_turns = []
+    for c in chats:
+        users = [i for i, m in enumerate(c.messages) if m["role"] == "user"]
+        if users:
+            history = [m for m in c.messages[: users[0] + 1] if m["role"] != "assistant"]
+            first_turns.append((c.id, template.prompt_ids(history, c.tools)))
+    return chats, [(cid, ids) for cid, ids in first_turns if len(ids) <= max_prompt_len]
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
@@ -59,14 +72,8 @@ def main():
     modes = (Mode("default", 1.0, {}),)
     templates = mode_templates(tok, None, modes)
     template = templates["default"]
-    chats = [c for c, _ in zip((c for c in read_set(args.data) if isinstance(c, Chat)), range(args.max_samples))]
-    first_turns = []
-    for c in chats:
-        users = [i for i, m in enumerate(c.messages) if m["role"] == "user"]
-        if users:
-            history = [m for m in c.messages[: users[0] + 1] if m["role"] != "assistant"]
-            first_turns.append((c.id, template.prompt_ids(history, c.tools)))
-    first_turns = [(cid, ids) for cid, ids in first_turns if len(ids) + args.max_new_tokens <= args.max_model_len]
+    chats, first_turns = first_turn_prompts(args.data, template, args.max_samples,
+                                            args.max_model_len - args.max_new_tokens)
     settings = Settings(
         model=args.model, revision=None, template_digests=(template.digest(),), backend="vllm", turns="first",
         temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,

@@ -343,6 +343,7 @@ def regenerate_params(data, max_samples, sampling):
         loop_ngram=rg["loop_ngram"],
         loop_share=rg["loop_min_distinct_share"],
         batch_size=rg["batch_size"],
+        hf_batch_size=rg["hf_batch_size"],
         parts=lambda wc, output: os.path.splitext(output.chats)[0] + "-parts",
         code=code_digest("regenerate_responses"),
         **sampling,
@@ -359,5 +360,6 @@ REGENERATE_SHELL = (
     "--top-p {params.top_p} --max-new-tokens {params.max_new_tokens} --seed {params.seed} "
     "--modes {params.modes:q} {params.template} --on-truncated {params.on_truncated} --on-loop {params.on_loop} "
     "--loop-ngram {params.loop_ngram} --loop-min-distinct-share {params.loop_share} "
-    "--answers-per-conversation {params.answers_per_conversation} --batch-size {params.batch_size} > {log} 2>&1"
+    "--answers-per-conversation {params.answers_per_conversation} --batch-size {params.batch_size} "
+    "--hf-batch-size {params.hf_batch_size} > {log} 2>&1"
 )

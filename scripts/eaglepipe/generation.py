@@ -9,13 +9,18 @@ do not have it). Calls checked against the vLLM 0.26.0 wheel: ``SamplingParams(t
 top_p, seed, max_tokens, stop_token_ids, detokenize)``; a finished ``RequestOutput`` carries
 ``outputs[0].token_ids`` (the stop token included) and ``finish_reason`` "stop" / "length".
 
-``HFGenerator`` runs transformers' ``generate`` one request at a time (CPU tests, tiny targets):
-seeded with ``torch.manual_seed`` per request, so answers do not depend on the order requests run in.
+``HFGenerator`` decodes batches of requests with a transformers model (CPU, tests, tiny targets):
+each request samples from its own ``torch.Generator`` seeded with its request seed, as vLLM's
+per-request ``seed`` does. transformers' ``generate`` cannot do that (one generator draws every row
+of a batch, so a row's answer would depend on its partners), hence the loop here. It draws what
+``torch.manual_seed(seed)`` then ``generate`` drew one request at a time, as that backend did, at
+4x its speed on 2 CPU cores (SmolLM2-135M, batches of 32: benchmarks/README.md).
 """
 
 from __future__ import annotations
 
 import gc
+import inspect
 from collections import deque
 from functools import partial
 from typing import NamedTuple
@@ -56,41 +61,83 @@ def stop_token_ids(tokenizer, model: str, revision: str | None, trust_remote_cod
 
 
 class HFGenerator:
-    # conversations worth keeping open: it runs one request at a time, so more would only delay
-    # the parts (the resume points) without speeding anything up
+    # one resumable part at a time: its batches are then made from that part's requests alone, so a
+    # resumed run makes the same batches as an uninterrupted one (a batch's float sums depend on its
+    # rows and padding, which could flip a near tie)
     lookahead = 1
 
     def __init__(self, model: str, sampling: Sampling, device: str = "cpu", dtype: str = "float32",
-                 revision: str | None = None, trust_remote_code: bool = False):
+                 revision: str | None = None, trust_remote_code: bool = False, batch_size: int = 32):
         from transformers import AutoModelForCausalLM
 
         self.device = torch.device(device)
         compute = torch.float32 if self.device.type == "cpu" else getattr(torch, dtype)
         self.model = AutoModelForCausalLM.from_pretrained(
             model, revision=revision, trust_remote_code=trust_remote_code, dtype=compute).to(self.device).eval()
-        self.sampling = sampling
+        # only the last position's logits when the model can skip the others (a prompt's [T, vocab] is large)
+        self.last_logits_only = ({"logits_to_keep": 1}
+                                 if "logits_to_keep" in inspect.signature(self.model.forward).parameters else {})
+        self.sampling, self.batch_size = sampling, batch_size
         self.queue: deque[tuple[str, list[int], int]] = deque()
 
     def submit(self, request_id: str, prompt_ids: list[int], seed: int) -> None:
         self.queue.append((request_id, prompt_ids, seed))
 
-    @torch.inference_mode()
     def step(self) -> list[Finished]:
-        if not self.queue:
-            return []
-        request_id, prompt_ids, seed = self.queue.popleft()
-        s = self.sampling
-        torch.manual_seed(seed)
-        sample = s.temperature > 0
-        out = self.model.generate(
-            torch.tensor([prompt_ids], device=self.device), attention_mask=None,
-            max_new_tokens=s.max_new_tokens, do_sample=sample,
-            temperature=s.temperature if sample else None, top_p=s.top_p if sample else None, top_k=None,
-            eos_token_id=list(s.stop_token_ids), pad_token_id=s.stop_token_ids[0],
-        )[0, len(prompt_ids):].tolist()
-        stops = set(s.stop_token_ids)
-        end = next((i + 1 for i, t in enumerate(out) if t in stops), None)
-        return [Finished(request_id, out[:end] if end else out, "stop" if end else "length")]
+        """The next ``batch_size`` queued requests, decoded together to their ends."""
+        batch = [self.queue.popleft() for _ in range(min(self.batch_size, len(self.queue)))]
+        return self._decode(batch) if batch else []
+
+    @torch.inference_mode()
+    def _decode(self, batch: list[tuple[str, list[int], int]]) -> list[Finished]:
+        from transformers import DynamicCache
+
+        s, dev, stops = self.sampling, self.device, set(self.sampling.stop_token_ids)
+        width = max(len(prompt) for _, prompt, _ in batch)
+        ids = torch.full((len(batch), width), s.stop_token_ids[0], dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, (_, prompt, _) in enumerate(batch):  # left-padded, so every row's next token is the last column
+            ids[row, width - len(prompt):] = torch.tensor(prompt)
+            mask[row, width - len(prompt):] = 1
+        ids, mask = ids.to(dev), mask.to(dev)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        generators = ([torch.Generator(device=dev).manual_seed(seed) for _, _, seed in batch]
+                      if s.temperature > 0 else None)
+        # the config tells the cache which layers slide (as generate() builds it)
+        cache = DynamicCache(config=self.model.config)
+        alive, answers = list(range(len(batch))), [[] for _ in batch]
+        for _ in range(s.max_new_tokens):
+            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                                use_cache=True, **self.last_logits_only).logits[:, -1].float()
+            picked = self._pick(logits, generators and [generators[r] for r in alive])
+            going = []
+            for i, (r, token) in enumerate(zip(alive, picked.tolist())):
+                answers[r].append(token)
+                if token not in stops:
+                    going.append(i)
+            if not going:
+                break
+            if len(going) < len(alive):  # finished rows leave the batch and its cache
+                keep = torch.tensor(going, device=dev)
+                cache.batch_select_indices(keep)
+                mask, positions, picked = mask[keep], positions[keep], picked[keep]
+                alive = [alive[i] for i in going]
+            ids, positions = picked[:, None], positions[:, -1:] + 1
+            mask = torch.cat([mask, mask.new_ones((len(alive), 1))], dim=1)
+        return [Finished(rid, answer, "stop" if answer[-1] in stops else "length")
+                for (rid, _, _), answer in zip(batch, answers)]
+
+    def _pick(self, logits: torch.Tensor, generators: list[torch.Generator] | None) -> torch.Tensor:
+        """Greedy, or a sample from the temperature-scaled top-p nucleus (the smallest set of tokens whose
+        probability reaches top_p), each row with its own generator."""
+        if generators is None:
+            return logits.argmax(-1)
+        probs = torch.softmax(logits / self.sampling.temperature, dim=-1)
+        if self.sampling.top_p < 1:
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            sorted_probs[sorted_probs.cumsum(-1) - sorted_probs >= self.sampling.top_p] = 0
+            probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+        return torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators)])
 
     def close(self) -> None:
         del self.model

@@ -515,7 +515,7 @@ def make_generator(args, sampling: Sampling):
                                   enforce_eager=args.enforce_eager, revision=args.revision,
                                   trust_remote_code=args.trust_remote_code, kv_cache_gib=args.kv_cache_gib)
     return HFGenerator(args.model, sampling, device=args.device, dtype=args.dtype, revision=args.revision,
-                       trust_remote_code=args.trust_remote_code)
+                       trust_remote_code=args.trust_remote_code, batch_size=args.hf_batch_size)
 
 
 def regenerate(args) -> dict:
@@ -593,9 +593,11 @@ def main(argv=None):
     p.add_argument("--answers-per-conversation", type=int, default=1,
                    help="answer sets per conversation, each with its own seeds (sampling only)")
     p.add_argument("--batch-size", type=int, default=256, help="conversations per resumable part")
+    p.add_argument("--hf-batch-size", type=int, default=32,
+                   help="hf backend: requests decoded together (the answers do not depend on it)")
     args = p.parse_args(argv)
-    for name in ("max_new_tokens", "max_model_len", "loop_ngram", "batch_size", "tensor_parallel_size",
-                 "answers_per_conversation"):
+    for name in ("max_new_tokens", "max_model_len", "loop_ngram", "batch_size", "hf_batch_size",
+                 "tensor_parallel_size", "answers_per_conversation"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.temperature < 0 or not 0 < args.top_p <= 1:

@@ -1,0 +1,81 @@
+"""The hf backend's batched decoder: the same answers whatever the batch, greedy as transformers'
+generate, sampling by each request's own seed, top-p, stop tokens and the length cap."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from eaglepipe.generation import HFGenerator, Sampling
+
+# prompts of different lengths, so a batch pads them
+PROMPTS = [[5, 9, 13], [7] * 11, [3, 4, 5, 6, 7, 8, 9], [21, 22], list(range(30, 55))]
+
+
+def answers(model, sampling: Sampling, batch_size: int, seeds=None, prompts=PROMPTS) -> dict[str, tuple]:
+    gen = HFGenerator(str(model), sampling, batch_size=batch_size)
+    for i, prompt in enumerate(prompts):
+        gen.submit(f"r{i}", prompt, seeds[i] if seeds else 100 + i)
+    out = []
+    while gen.queue:
+        out += gen.step()
+    assert sorted(f.request_id for f in out) == sorted(f"r{i}" for i in range(len(prompts)))
+    return {f.request_id: (f.token_ids, f.finish_reason) for f in out}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("target", ["tiny_llama", "tiny_dsv3"])
+def test_a_batch_gives_each_request_the_answer_it_gets_alone(request, target, temperature):
+    model = request.getfixturevalue(target)  # a Llama, and a DeepseekV3 (MLA attention, MoE)
+    sampling = Sampling(temperature, 0.9, 12, (2,))
+    alone = answers(model, sampling, batch_size=1)
+    assert answers(model, sampling, batch_size=2) == alone
+    assert answers(model, sampling, batch_size=len(PROMPTS)) == alone
+    assert {len(ids) for ids, _ in alone.values()} != {0}
+
+
+@pytest.mark.parametrize("temperature,top_p", [(0.0, 1.0), (0.8, 0.9)])
+def test_each_answer_is_what_generate_gives_that_request_alone(tiny_llama, temperature, top_p):
+    """The backend this decoder replaced: torch.manual_seed(seed), then generate() one request at a
+    time. The same draws, so parts it wrote hold the answers this decoder gives."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    ours = answers(tiny_llama, Sampling(temperature, top_p, 10, (2,)), batch_size=3)
+    sample = temperature > 0
+    for i, prompt in enumerate(PROMPTS):
+        torch.manual_seed(100 + i)
+        theirs = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                max_new_tokens=10, do_sample=sample, temperature=temperature if sample else None,
+                                top_p=top_p if sample else None, top_k=None, eos_token_id=[2],
+                                pad_token_id=2)[0, len(prompt):]
+        assert ours[f"r{i}"][0] == theirs.tolist()[:len(ours[f"r{i}"][0])]
+
+
+def test_sampling_follows_each_requests_seed(tiny_llama):
+    sampling = Sampling(1.0, 1.0, 16, (2,))
+    first = answers(tiny_llama, sampling, batch_size=5)
+    assert answers(tiny_llama, sampling, batch_size=5) == first
+    # another seed for r0 only: r0 changes, its batch partners do not
+    other = answers(tiny_llama, sampling, batch_size=5, seeds=[999, 101, 102, 103, 104])
+    assert other["r0"] != first["r0"]
+    assert {k: v for k, v in other.items() if k != "r0"} == {k: v for k, v in first.items() if k != "r0"}
+
+
+def test_a_tiny_nucleus_is_greedy(tiny_llama):
+    """top_p so small that only the most likely token is in the nucleus: sampling must pick it."""
+    assert answers(tiny_llama, Sampling(1.0, 1e-6, 10, (2,)), batch_size=5) == \
+        answers(tiny_llama, Sampling(0.0, 1.0, 10, (2,)), batch_size=5)
+
+
+def test_answers_end_at_a_stop_token_or_the_cap(tiny_llama):
+    """With the token greedy decoding emits third as a stop token, that answer stops there; the others
+    run to the cap; rows that finished early leave the batch without disturbing the rest."""
+    free = answers(tiny_llama, Sampling(0.0, 1.0, 8, (2,)), batch_size=5)
+    assert all(reason == "length" and len(ids) == 8 for ids, reason in free.values())
+    stop = free["r0"][0][2]
+    stopped = answers(tiny_llama, Sampling(0.0, 1.0, 8, (stop,)), batch_size=5)
+    ids, reason = stopped["r0"]
+    assert reason == "stop" and ids == free["r0"][0][:ids.index(stop) + 1] and ids[-1] == stop
+    for rid, (ids, reason) in stopped.items():
+        if stop not in free[rid][0]:
+            assert (ids, reason) == free[rid]
