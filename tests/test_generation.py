@@ -79,3 +79,12 @@ def test_answers_end_at_a_stop_token_or_the_cap(tiny_llama):
     for rid, (ids, reason) in stopped.items():
         if stop not in free[rid][0]:
             assert (ids, reason) == free[rid]
+
+
+def test_a_batch_takes_the_shortest_queued_prompts(tiny_llama):
+    """Every prompt of a batch is padded to its longest, so long ones wait for each other."""
+    gen = HFGenerator(str(tiny_llama), Sampling(0.0, 1.0, 2, (2,)), batch_size=2)
+    for rid, length in (("long", 30), ("short", 3), ("longer", 40), ("shortest", 2), ("mid", 25)):
+        gen.submit(rid, list(range(5, 5 + length)), 0)
+    assert [sorted(f.request_id for f in gen.step()) for _ in range(3)] == [
+        ["short", "shortest"], ["long", "mid"], ["longer"]]

@@ -84,8 +84,10 @@ class HFGenerator:
         self.queue.append((request_id, prompt_ids, seed))
 
     def step(self) -> list[Finished]:
-        """The next ``batch_size`` queued requests, decoded together to their ends."""
-        batch = [self.queue.popleft() for _ in range(min(self.batch_size, len(self.queue)))]
+        """The ``batch_size`` shortest queued prompts, decoded together to their ends: a batch pads every
+        prompt to its longest, so one long prompt among short ones would multiply the work."""
+        queued = sorted(self.queue, key=lambda request: len(request[1]))  # stable: ties keep their order
+        batch, self.queue = queued[:self.batch_size], deque(queued[self.batch_size:])
         return self._decode(batch) if batch else []
 
     @torch.inference_mode()
