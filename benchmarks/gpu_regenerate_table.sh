@@ -33,8 +33,8 @@ W=results/regen-table
 mkdir -p "$W"
 # vLLM's environment defaults: set by the stages themselves (scripts/eaglepipe/vllm_env.py)
 export HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 PYTHONUNBUFFERED=1
-# RUNS="..." picks runs (e.g. RUNS="regen17-t06-all regen17-t06-all-loops regen17-t06-all-x2": the
-# target's loops kept, two answer sets per conversation)
+# RUNS="..." picks runs (e.g. RUNS="regen17-t06-all regen17-t06-all-loops regen17-t06-all-trim
+# regen17-t06-all-x2": the target's loops kept, trimmed, two answer sets per conversation)
 RUNS=${RUNS:-"regen17-data regen17-greedy-first regen17-t06-first regen17-t06-all"}
 COMMON=(
   'data={"max_samples": 4000}'
@@ -51,6 +51,8 @@ regenerate_of() {
     regen17-t06-all) echo '{"enabled": true, "backend": "vllm", "temperature": 0.6, "top_p": 0.95, "turns": "all"}' ;;
     # the target's loops kept: greedy serving loops too (18 of the 80 MT-Bench answers)
     regen17-t06-all-loops) echo '{"enabled": true, "backend": "vllm", "temperature": 0.6, "top_p": 0.95, "turns": "all", "on_loop": "keep"}' ;;
+    # the target's loops trimmed to their longest prefix that is not a loop (the conversation goes on)
+    regen17-t06-all-trim) echo '{"enabled": true, "backend": "vllm", "temperature": 0.6, "top_p": 0.95, "turns": "all", "on_loop": "trim"}' ;;
     # two answer sets per conversation: twice the target's text from the same 4,000 prompts
     regen17-t06-all-x2) echo '{"enabled": true, "backend": "vllm", "temperature": 0.6, "top_p": 0.95, "turns": "all", "answers_per_conversation": 2}' ;;
     *) echo "unknown run $1" >&2; return 1 ;;

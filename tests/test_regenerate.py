@@ -19,7 +19,7 @@ import tiny
 from eaglepipe import prepare_data
 from eaglepipe.chat_data import Chat, iter_chats
 from eaglepipe.chat_template import ChatTemplate
-from eaglepipe.degenerate import distinct_ngram_share, is_loop
+from eaglepipe.degenerate import distinct_ngram_share, is_loop, longest_non_loop_prefix
 from eaglepipe.generation import Finished, Sampling, VLLMGenerator
 from eaglepipe.regenerate_responses import (
     Mode, Regenerator, Settings, answer_points, assemble, batched_parts, mode_templates, pick_mode, read_mtbench, request_seed,
@@ -286,6 +286,36 @@ def test_a_dropped_later_answer_ends_the_conversation_and_keeps_the_earlier(tmp_
     assert len(gen.prompts) == 2  # the third turn is never asked
     assert records[0]["answers"] == ["the good word."]
     assert stats["kept"] == 1 and stats["ended_early_by_reason"] == {"loop": 1}
+
+
+def test_a_trimmed_loop_keeps_its_prefix_and_the_conversation_goes_on(tmp_path, tok):
+    c = chat("c0", ("user", "what is it?"), ("user", "and then?"))
+    records, stats, gen = run_scripted(tmp_path, tok, [c], lambda pos, turn, prompt: (
+        ("a new answer: " + LOOP, "stop") if turn == 0 else ("the good word.", "stop")), on_loop="trim")
+    loop_ids = tok.encode("a new answer: " + LOOP, add_special_tokens=False)
+    keep = longest_non_loop_prefix(loop_ids, 4, 0.5)
+    assert 0 < keep < len(loop_ids) and not is_loop(loop_ids[:keep], 4, 0.5) and is_loop(loop_ids[:keep + 1], 4, 0.5)
+    (record,) = records
+    assert record["answers"] == [tok.decode(loop_ids[:keep]), "the good word."]
+    # the second turn is asked on the trimmed answer, and the mask covers exactly the two answers
+    second = gen.prompts[max(gen.prompts)]
+    assert second[:len(gen.prompts[min(gen.prompts)]) + keep] == gen.prompts[min(gen.prompts)] + loop_ids[:keep]
+    masked = [t for t, m in zip(record["input_ids"], record["loss_mask"]) if m]
+    assert masked == loop_ids[:keep] + tok.encode("the good word.", add_special_tokens=False) + [STOP]
+    mode = stats["by_mode"]["default"]
+    assert (mode["answers"], mode["answers_kept"], mode["loops"], mode["loops_trimmed"]) == (2, 2, 1, 1)
+    assert mode["answer_tokens"] == len(loop_ids) + 1 + len(masked) - keep  # as generated, stop tokens included
+    assert mode["answer_tokens_kept"] == len(masked) and stats["ended_early_by_reason"] == {}
+
+
+def test_longest_non_loop_prefix_is_the_longest_prefix_is_loop_accepts():
+    rng = random.Random(0)
+    for _ in range(300):
+        unit = [rng.randrange(50) for _ in range(rng.randint(1, 6))]
+        tokens = [rng.randrange(50) for _ in range(rng.randint(0, 15))] + unit * rng.randint(0, 12)
+        n, share = rng.randint(1, 6), rng.choice([0.3, 0.5, 0.9, 1.0])
+        expected = max(L for L in range(len(tokens) + 1) if not is_loop(tokens[:L], n, share))
+        assert longest_non_loop_prefix(tokens, n, share) == expected
 
 
 def test_tool_calls_stay_and_the_target_answers_their_results(tmp_path):

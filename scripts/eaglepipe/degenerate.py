@@ -20,3 +20,15 @@ def distinct_ngram_share(tokens: list[int], n: int) -> float:
 def is_loop(tokens: list[int], n: int, min_distinct_share: float) -> bool:
     """True when fewer than ``min_distinct_share`` of the answer's n-grams are distinct."""
     return distinct_ngram_share(tokens, n) < min_distinct_share
+
+
+def longest_non_loop_prefix(tokens: list[int], n: int, min_distinct_share: float) -> int:
+    """The length of the longest prefix of ``tokens`` that is not a loop by ``is_loop``: what comes
+    before a loop, and its first repeats as far as the same measure allows."""
+    seen: set[tuple[int, ...]] = set()
+    best = min(len(tokens), n - 1)  # fewer than n tokens: no n-gram, never a loop
+    for end in range(n, len(tokens) + 1):
+        seen.add(tuple(tokens[end - n:end]))
+        if len(seen) / (end - n + 1) >= min_distinct_share:
+            best = end
+    return best

@@ -17,8 +17,10 @@ sample for that turn, so each answer is trained on the context the target actual
 
 Answers that hit ``--max-new-tokens`` and loops (fewer than ``--loop-min-distinct-share`` of
 their ``--loop-ngram``-grams distinct, eaglepipe.degenerate) are counted and kept or dropped by
-``--on-truncated`` / ``--on-loop``; empty answers are dropped. A dropped answer ends its
-conversation (later turns would continue a history the data does not keep).
+``--on-truncated`` / ``--on-loop``; ``--on-loop trim`` keeps a loop's longest prefix that is not
+a loop by the same measure (the text before it and its first repeats), and the conversation goes
+on from that prefix. Empty answers are dropped. A dropped answer ends its conversation (later
+turns would continue a history the data does not keep).
 
 ``--answers-per-conversation N`` answers each conversation N times with independent seeds (sampling
 only): more of the target's text from the same prompts. Answer set k > 0 of conversation ``x`` is
@@ -56,7 +58,7 @@ from eaglepipe import tokenized_samples
 from eaglepipe.atomic import atomic_path, read_json_object, remove_stale_temporaries, write_json
 from eaglepipe.chat_data import Chat, Skip, iter_chats, normalize
 from eaglepipe.chat_template import ChatTemplate
-from eaglepipe.degenerate import is_loop
+from eaglepipe.degenerate import is_loop, longest_non_loop_prefix
 from eaglepipe.generation import Finished, HFGenerator, Sampling, VLLMGenerator, stop_token_ids
 from eaglepipe.progress import TokenProgress
 from eaglepipe.vllm_env import add_kv_cache_argument
@@ -160,10 +162,19 @@ def history_turn(text: str, source: str) -> dict:
     return normalize({"messages": [{"role": "assistant", "content": text}]}, source, "answer").messages[0]
 
 
+class Flags(NamedTuple):
+    """What an answer was when the engine returned it (a trimmed loop stays counted as a loop)."""
+    empty: bool
+    truncated: bool  # hit max_new_tokens
+    loop: bool
+
+
 class Answer(NamedTuple):
     prompt_ids: list[int]
-    token_ids: list[int]
-    finish_reason: str
+    token_ids: list[int]  # what is kept: the engine's tokens, or a trimmed loop's prefix
+    finish_reason: str  # "stop", "length", or "trimmed"
+    flags: Flags = Flags(False, False, False)
+    generated: int = 0  # tokens the engine returned
 
 
 @dataclass
@@ -239,11 +250,10 @@ def answer_points(messages: list[dict], turns: str) -> list[int]:
     return points[:1] if turns == "first" else points
 
 
-def classify(answer: Answer, settings: Settings) -> tuple[bool, bool, bool]:
-    """(empty, truncated, loop) of one answer."""
-    stop = answer.finish_reason == "stop"
-    content = answer.token_ids[:-1] if stop else answer.token_ids
-    return not content, not stop, is_loop(content, settings.loop_ngram, settings.loop_min_distinct_share)
+def classify(token_ids: list[int], finish_reason: str, settings: Settings) -> Flags:
+    stop = finish_reason == "stop"
+    content = token_ids[:-1] if stop else token_ids
+    return Flags(not content, not stop, is_loop(content, settings.loop_ngram, settings.loop_min_distinct_share))
 
 
 def build_samples(conversation: Conversation) -> list[tuple[list[int], list[int], list[Answer]]]:
@@ -306,19 +316,24 @@ class Regenerator:
             conv.answers.pop()
             conv.end = f"failed: the engine finished the request with {done.finish_reason!r}"
             return part, pos
-        answer = Answer(prompt, done.token_ids, done.finish_reason)
-        conv.answers[-1] = answer
-        empty, truncated, loop = classify(answer, self.settings)
-        drop = ("empty_answer" if empty else
-                "loop" if loop and self.settings.on_loop == "drop" else
-                "truncated" if truncated and self.settings.on_truncated == "drop" else None)
+        s = self.settings
+        flags = classify(done.token_ids, done.finish_reason, s)
+        answer = Answer(prompt, done.token_ids, done.finish_reason, flags, len(done.token_ids))
+        drop = ("empty_answer" if flags.empty else
+                "loop" if flags.loop and s.on_loop == "drop" else
+                "truncated" if flags.truncated and s.on_truncated == "drop" else None)
         if drop:
             conv.answers.pop()
             conv.end, conv.dropped = drop, answer
-        else:
-            stop = done.finish_reason == "stop"
-            text = self.tok.decode(answer.token_ids[:-1] if stop else answer.token_ids)
-            conv.history.append(history_turn(text, conv.chat.source))
+            return part, pos
+        if flags.loop and s.on_loop == "trim":  # a loop is its content, so the prefix never reaches the stop token
+            keep = longest_non_loop_prefix(answer.token_ids[:-1] if answer.finish_reason == "stop" else answer.token_ids,
+                                           s.loop_ngram, s.loop_min_distinct_share)
+            answer = answer._replace(token_ids=answer.token_ids[:keep], finish_reason="trimmed")
+        conv.answers[-1] = answer
+        stop = answer.finish_reason == "stop"
+        text = self.tok.decode(answer.token_ids[:-1] if stop else answer.token_ids)
+        conv.history.append(history_turn(text, conv.chat.source))
         return part, pos
 
     # -- parts ------------------------------------------------------------------------------
@@ -365,10 +380,10 @@ class Regenerator:
         mode = stats["by_mode"].setdefault(conv.mode.name, new_mode_stats())
         mode["conversations"] += 1
         for a in conv.answers:
-            count_answer(mode, a, classify(a, self.settings))
+            count_answer(mode, a)
         reason = conv.end and conv.end.split(":")[0]
         if conv.dropped is not None:
-            count_answer(mode, conv.dropped, classify(conv.dropped, self.settings), dropped=reason)
+            count_answer(mode, conv.dropped, dropped=reason)
         if reason == "failed":
             stats["failed"].append({"conversation": conv.key, "source": conv.chat.source,
                                     "error": conv.end.removeprefix("failed: ")})
@@ -426,7 +441,8 @@ class Regenerator:
 def new_mode_stats() -> dict:
     """Per mode: conversations (kept: at least one answer kept) and every answer generated, by kind."""
     return {"conversations": 0, "kept": 0, "answers": 0, "answers_kept": 0, "answer_tokens": 0,
-            "answer_tokens_kept": 0, "truncated": 0, "loops": 0, "empty": 0, "dropped_by_reason": Counter()}
+            "answer_tokens_kept": 0, "truncated": 0, "loops": 0, "loops_trimmed": 0, "empty": 0,
+            "dropped_by_reason": Counter()}
 
 
 def new_stats() -> dict:
@@ -434,13 +450,14 @@ def new_stats() -> dict:
             "ended_early_by_reason": Counter(), "failed": [], "by_mode": {}, "skip_examples": {}}
 
 
-def count_answer(mode: dict, answer: Answer, flags: tuple[bool, bool, bool], dropped: str | None = None) -> None:
-    empty, truncated, loop = flags
+def count_answer(mode: dict, answer: Answer, dropped: str | None = None) -> None:
+    """Answers and tokens as generated, and as kept (a trimmed loop keeps its prefix)."""
     mode["answers"] += 1
-    mode["answer_tokens"] += len(answer.token_ids)
-    mode["empty"] += empty
-    mode["truncated"] += truncated
-    mode["loops"] += loop
+    mode["answer_tokens"] += answer.generated
+    mode["empty"] += answer.flags.empty
+    mode["truncated"] += answer.flags.truncated
+    mode["loops"] += answer.flags.loop
+    mode["loops_trimmed"] += answer.finish_reason == "trimmed"
     if dropped:
         mode["dropped_by_reason"][dropped] += 1
     else:
@@ -587,7 +604,7 @@ def main(argv=None):
     p.add_argument("--modes", type=parse_modes, default='[{"name": "default", "weight": 1, "chat_template_kwargs": {}}]',
                    help="JSON list of {name, weight, chat_template_kwargs}: one drawn per conversation")
     p.add_argument("--on-truncated", choices=["keep", "drop"], default="keep")
-    p.add_argument("--on-loop", choices=["keep", "drop"], default="drop")
+    p.add_argument("--on-loop", choices=["keep", "drop", "trim"], default="drop")
     p.add_argument("--loop-ngram", type=int, default=8)
     p.add_argument("--loop-min-distinct-share", type=float, default=0.5)
     p.add_argument("--answers-per-conversation", type=int, default=1,
