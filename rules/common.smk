@@ -328,6 +328,7 @@ def regenerate_params(data, max_samples, sampling):
         revision=revision_flag(),
         trust=trust_flag(),
         max_samples=max_samples,
+        max_prompt_len=config["data"]["max_length"],
         backend=rg["backend"],
         device=rg["device"],
         dtype=config["target"]["dtype"],
@@ -356,7 +357,8 @@ REGENERATE_SHELL = (
     "--model {params.model} {params.revision} {params.trust} --backend {params.backend} "
     "--device {params.device} --dtype {params.dtype} --tensor-parallel-size {params.tp} "
     "--max-model-len {params.max_model_len} --gpu-memory-utilization {params.gpu_util} {params.eager} "
-    "{params.kv_cache} --max-samples {params.max_samples} --turns {params.turns} --temperature {params.temperature} "
+    "{params.kv_cache} --max-samples {params.max_samples} --max-prompt-len {params.max_prompt_len} "
+    "--turns {params.turns} --temperature {params.temperature} "
     "--top-p {params.top_p} --max-new-tokens {params.max_new_tokens} --seed {params.seed} "
     "--modes {params.modes:q} {params.template} --on-truncated {params.on_truncated} --on-loop {params.on_loop} "
     "--loop-ngram {params.loop_ngram} --loop-min-distinct-share {params.loop_share} "

@@ -308,6 +308,26 @@ def test_a_trimmed_loop_keeps_its_prefix_and_the_conversation_goes_on(tmp_path, 
     assert mode["answer_tokens_kept"] == len(masked) and stats["ended_early_by_reason"] == {}
 
 
+def test_a_turn_whose_prompt_is_longer_than_the_training_length_is_not_asked(tmp_path, tok):
+    short, two_turns = chat("c0", ("user", "what is it?")), chat("c1", ("user", "what is it?"), ("user", "and then?"))
+    first = prompt_ids(tok, [{"role": "user", "content": "what is it?"}])
+    records, stats, gen = run_scripted(tmp_path, tok, [short, two_turns], lambda pos, turn, prompt: (
+        "the good word is good.", "stop"), max_prompt_len=len(first) + 3)
+    # c1's second prompt holds its first answer, so it is longer than the bound: c1 ends after one answer
+    assert sorted(gen.prompts) == ["0-0-0", "0-1-0"]
+    assert [r["answers"] for r in records] == [["the good word is good."]] * 2
+    assert stats["ended_early_by_reason"] == {"prompt_too_long": 1} and stats["kept"] == 2
+    # a first prompt past the bound: the conversation is skipped
+    _, stats, gen = run_scripted(tmp_path / "b", tok, [short], lambda *_: ("x", "stop"), max_prompt_len=len(first) - 1)
+    assert not gen.prompts and stats["skipped_by_reason"] == {"prompt_too_long": 1}
+
+
+def test_a_prompt_bound_the_engine_already_sets_keeps_the_parts_keys():
+    engine_bound = settings().max_model_len - settings().max_new_tokens
+    assert settings(max_prompt_len=engine_bound).key() == settings(max_prompt_len=10 ** 6).key() == settings().key()
+    assert settings(max_prompt_len=engine_bound - 1).key() != settings().key()
+
+
 def test_longest_non_loop_prefix_is_the_longest_prefix_is_loop_accepts():
     rng = random.Random(0)
     for _ in range(300):

@@ -15,6 +15,10 @@ A conversation becomes one sample while each turn's prompt extends the previous 
 token for token; a template that re-renders history (drops earlier thinking, say) starts a new
 sample for that turn, so each answer is trained on the context the target actually had.
 
+A turn whose prompt is longer than ``--max-prompt-len`` (the rule passes ``data.max_length``:
+prepare_data would cut all of its answer) or than the engine leaves room for is not asked: the
+conversation ends there (``prompt_too_long``), its earlier answers kept.
+
 Answers that hit ``--max-new-tokens`` and loops (fewer than ``--loop-min-distinct-share`` of
 their ``--loop-ngram``-grams distinct, eaglepipe.degenerate) are counted and kept or dropped by
 ``--on-truncated`` / ``--on-loop``; ``--on-loop trim`` keeps a loop's longest prefix that is not
@@ -97,11 +101,19 @@ class Settings:
     loop_ngram: int
     loop_min_distinct_share: float
     answers_per_conversation: int = 1
+    max_prompt_len: int = 0  # 0: only the engine's bound (max_model_len - max_new_tokens)
+
+    def prompt_bound(self) -> int:
+        """The longest prompt a turn may have: the engine's bound, or the training length if shorter."""
+        engine = self.max_model_len - self.max_new_tokens
+        return min(self.max_prompt_len, engine) if self.max_prompt_len else engine
 
     def key(self) -> str:
         d = asdict(self)
         if d["answers_per_conversation"] == 1:  # one set is what parts written before the setting hold
             del d["answers_per_conversation"]
+        if self.prompt_bound() == self.max_model_len - self.max_new_tokens:  # as before the setting
+            del d["max_prompt_len"]
         return json.dumps(d, sort_keys=True)
 
 
@@ -299,7 +311,7 @@ class Regenerator:
         except (TemplateError, TypeError, ValueError) as e:  # raise_exception() and template bugs: one conversation
             conv.end = f"failed: chat template: {type(e).__name__}: {e}"
             return False
-        if len(prompt) + self.settings.max_new_tokens > self.settings.max_model_len:
+        if len(prompt) > self.settings.prompt_bound():
             conv.end = "prompt_too_long"
             return False
         rid = f"{part.index}-{pos}-{turn}"
@@ -547,7 +559,8 @@ def regenerate(args) -> dict:
         model=args.model, revision=args.revision,
         template_digests=tuple(templates[m.name].digest() for m in modes), backend=args.backend,
         turns=args.turns, temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
-        max_model_len=args.max_model_len, seed=args.seed, modes=modes, stop_token_ids=stops,
+        max_model_len=args.max_model_len, max_prompt_len=args.max_prompt_len, seed=args.seed, modes=modes,
+        stop_token_ids=stops,
         on_truncated=args.on_truncated, on_loop=args.on_loop, loop_ngram=args.loop_ngram,
         loop_min_distinct_share=args.loop_min_distinct_share, answers_per_conversation=args.answers_per_conversation)
     remove_stale_temporaries(args.parts_dir)
@@ -594,6 +607,9 @@ def main(argv=None):
     p.add_argument("--enforce-eager", action="store_true")
     add_kv_cache_argument(p)
     p.add_argument("--max-samples", type=int, default=0, help="read at most this many records; 0 = all")
+    p.add_argument("--max-prompt-len", type=int, default=0,
+                   help="a turn whose prompt is longer is not asked (prepare_data's --max-length: none of its "
+                        "answer could train); 0 = only --max-model-len minus --max-new-tokens")
     p.add_argument("--turns", choices=["all", "first"], default="all")
     p.add_argument("--temperature", type=float, default=0.6, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=0.95)
@@ -617,6 +633,8 @@ def main(argv=None):
                  "tensor_parallel_size", "answers_per_conversation"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.max_prompt_len < 0:
+        p.error(f"--max-prompt-len must be >= 0 (0: no bound of its own), got {args.max_prompt_len}")
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         p.error(f"--temperature must be >= 0 and --top-p in (0, 1], got {args.temperature}, {args.top_p}")
     if args.answers_per_conversation > 1 and args.temperature == 0:
