@@ -262,10 +262,15 @@ def answer_points(messages: list[dict], turns: str) -> list[int]:
     return points[:1] if turns == "first" else points
 
 
+def content_of(token_ids: list[int], finish_reason: str) -> list[int]:
+    """An answer's text tokens: without the stop token that ended it."""
+    return token_ids[:-1] if finish_reason == "stop" else token_ids
+
+
 def classify(token_ids: list[int], finish_reason: str, settings: Settings) -> Flags:
-    stop = finish_reason == "stop"
-    content = token_ids[:-1] if stop else token_ids
-    return Flags(not content, not stop, is_loop(content, settings.loop_ngram, settings.loop_min_distinct_share))
+    content = content_of(token_ids, finish_reason)
+    return Flags(not content, finish_reason != "stop",
+                 is_loop(content, settings.loop_ngram, settings.loop_min_distinct_share))
 
 
 def build_samples(conversation: Conversation) -> list[tuple[list[int], list[int], list[Answer]]]:
@@ -338,13 +343,12 @@ class Regenerator:
             conv.answers.pop()
             conv.end, conv.dropped = drop, answer
             return part, pos
-        if flags.loop and s.on_loop == "trim":  # a loop is its content, so the prefix never reaches the stop token
-            keep = longest_non_loop_prefix(answer.token_ids[:-1] if answer.finish_reason == "stop" else answer.token_ids,
-                                           s.loop_ngram, s.loop_min_distinct_share)
+        if flags.loop and s.on_loop == "trim":  # the content loops, so its prefix never reaches the stop token
+            keep = longest_non_loop_prefix(content_of(answer.token_ids, answer.finish_reason), s.loop_ngram,
+                                           s.loop_min_distinct_share)
             answer = answer._replace(token_ids=answer.token_ids[:keep], finish_reason="trimmed")
         conv.answers[-1] = answer
-        stop = answer.finish_reason == "stop"
-        text = self.tok.decode(answer.token_ids[:-1] if stop else answer.token_ids)
+        text = self.tok.decode(content_of(answer.token_ids, answer.finish_reason))
         conv.history.append(history_turn(text, conv.chat.source))
         return part, pos
 
