@@ -38,6 +38,10 @@ INTENDED_DIFFERENCES: dict[tuple[str, str], str] = {
     ("regenerate_eval_prompts", "--max-new-tokens"): "the evaluation set: benchmark_serving.max_tokens",
     ("regenerate_eval_prompts", "--temperature"): "the evaluation set: greedy, as the serving benchmark",
     ("regenerate_eval_prompts", "--top-p"): "the evaluation set: greedy, as the serving benchmark",
+    # the pipeline bounds prompts by data.max_length (prepare_data would cut a longer one's whole
+    # answer); the CLI alone knows no training length
+    ("regenerate_responses", "--max-prompt-len"): "the pipeline: data.max_length",
+    ("regenerate_eval_prompts", "--max-prompt-len"): "the pipeline: data.max_length",
 }
 
 # Disagreements in modules other sessions are editing (issue 18). The lead empties this list as they
