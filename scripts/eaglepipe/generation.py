@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import gc
 import inspect
-from collections import deque
 from functools import partial
 from typing import NamedTuple
 
@@ -78,7 +77,7 @@ class HFGenerator:
         self.last_logits_only = ({"logits_to_keep": 1}
                                  if "logits_to_keep" in inspect.signature(self.model.forward).parameters else {})
         self.sampling, self.batch_size = sampling, batch_size
-        self.queue: deque[tuple[str, list[int], int]] = deque()
+        self.queue: list[tuple[str, list[int], int]] = []
 
     def submit(self, request_id: str, prompt_ids: list[int], seed: int) -> None:
         self.queue.append((request_id, prompt_ids, seed))
@@ -87,7 +86,7 @@ class HFGenerator:
         """The ``batch_size`` shortest queued prompts, decoded together to their ends: a batch pads every
         prompt to its longest, so one long prompt among short ones would multiply the work."""
         queued = sorted(self.queue, key=lambda request: len(request[1]))  # stable: ties keep their order
-        batch, self.queue = queued[:self.batch_size], deque(queued[self.batch_size:])
+        batch, self.queue = queued[:self.batch_size], queued[self.batch_size:]
         return self._decode(batch) if batch else []
 
     @torch.inference_mode()
