@@ -319,6 +319,22 @@ def regenerate_gpus():
     return 1 if rg["device"] == "cuda" else 0
 
 
+def regenerate_engine_flags():
+    """How a regeneration job uses the machine, not what it answers: the parts' keys leave these
+    out, and the rules pass them as a resource, which no Snakemake rerun trigger looks at, so
+    changing one reruns nothing (as params they would rerun training and all after it).
+    """
+    x = config["extract"]
+    return " ".join(
+        [
+            f"--gpu-memory-utilization {x['gpu_memory_utilization']}",
+            "--enforce-eager" if x["enforce_eager"] else "",
+            kv_cache_flag(),
+            f"--hf-batch-size {config['regenerate']['hf_batch_size']}",
+        ]
+    )
+
+
 def regenerate_params(data, max_samples, sampling):
     """Every parameter of one regeneration job; `sampling` holds the answer settings."""
     rg = config["regenerate"]
@@ -334,9 +350,6 @@ def regenerate_params(data, max_samples, sampling):
         dtype=config["target"]["dtype"],
         tp=config["extract"]["tensor_parallel_size"],
         max_model_len=config["extract"]["max_model_len"],
-        gpu_util=config["extract"]["gpu_memory_utilization"],
-        eager="--enforce-eager" if config["extract"]["enforce_eager"] else "",
-        kv_cache=kv_cache_flag(),
         seed=rg["seed"],
         modes=regenerate_modes(),
         template=regenerate_template_flag(),
@@ -344,7 +357,6 @@ def regenerate_params(data, max_samples, sampling):
         loop_ngram=rg["loop_ngram"],
         loop_share=rg["loop_min_distinct_share"],
         batch_size=rg["batch_size"],
-        hf_batch_size=rg["hf_batch_size"],
         parts=lambda wc, output: os.path.splitext(output.chats)[0] + "-parts",
         code=code_digest("regenerate_responses"),
         **sampling,
@@ -356,12 +368,11 @@ REGENERATE_SHELL = (
     "--data {params.data} --out {output.chats} --stats {output.stats} --parts-dir {params.parts} "
     "--model {params.model} {params.revision} {params.trust} --backend {params.backend} "
     "--device {params.device} --dtype {params.dtype} --tensor-parallel-size {params.tp} "
-    "--max-model-len {params.max_model_len} --gpu-memory-utilization {params.gpu_util} {params.eager} "
-    "{params.kv_cache} --max-samples {params.max_samples} --max-prompt-len {params.max_prompt_len} "
+    "--max-model-len {params.max_model_len} {resources.engine} --max-samples {params.max_samples} --max-prompt-len {params.max_prompt_len} "
     "--turns {params.turns} --temperature {params.temperature} "
     "--top-p {params.top_p} --max-new-tokens {params.max_new_tokens} --seed {params.seed} "
     "--modes {params.modes:q} {params.template} --on-truncated {params.on_truncated} --on-loop {params.on_loop} "
     "--loop-ngram {params.loop_ngram} --loop-min-distinct-share {params.loop_share} "
     "--answers-per-conversation {params.answers_per_conversation} --batch-size {params.batch_size} "
-    "--hf-batch-size {params.hf_batch_size} > {log} 2>&1"
+    "> {log} 2>&1"
 )

@@ -20,6 +20,9 @@ rule extract_hidden_states:
     threads: 4
     resources:
         gpu=extract_gpus(),
+        # where vLLM's files wait changes no shard (RESULT_NEUTRAL in extract_hidden_states.py): a
+        # resource, which no rerun trigger looks at, so moving it reruns nothing
+        staging_dir=config["extract"]["staging_dir"],
     params:
         model=target_arg,
         revision=revision_flag(),
@@ -35,7 +38,6 @@ rule extract_hidden_states:
         gpu_util=config["extract"]["gpu_memory_utilization"],
         eager="--enforce-eager" if config["extract"]["enforce_eager"] else "",
         kv_cache=kv_cache_flag(),
-        staging=config["extract"]["staging_dir"],
         shard_dir=lambda wc, output: os.path.join(
             os.path.dirname(os.path.dirname(output.part)), "shards"
         ),
@@ -47,7 +49,7 @@ rule extract_hidden_states:
         "--device {params.device} --tensor-parallel-size {params.tp} --layer-ids {params.layer_ids} "
         "--batch-size {params.batch_size} --storage-dtype {params.storage} --dtype {params.dtype} "
         "--max-model-len {params.max_model_len} --gpu-memory-utilization {params.gpu_util} "
-        "{params.eager} {params.kv_cache} --staging-dir {params.staging:q} --shard-dir {params.shard_dir} --replica {wildcards.i} "
+        "{params.eager} {params.kv_cache} --staging-dir {resources.staging_dir:q} --shard-dir {params.shard_dir} --replica {wildcards.i} "
         "--replicas {wildcards.r} --out {output.part} > {log} 2>&1"
 
 

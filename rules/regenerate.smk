@@ -33,6 +33,7 @@ rule regenerate_responses:
     threads: 4
     resources:
         gpu=regenerate_gpus(),
+        engine=regenerate_engine_flags(),
     params:
         **regenerate_params(
             config["data"]["path"],
@@ -66,6 +67,7 @@ rule regenerate_eval_prompts:
     threads: 4
     resources:
         gpu=regenerate_gpus(),
+        engine=regenerate_engine_flags(),
     params:
         **regenerate_params(config["evaluate"]["prompts"], 0, EVAL_PROMPTS_SAMPLING),
     shell:

@@ -48,7 +48,7 @@ INTENDED_DIFFERENCES: dict[tuple[str, str], str] = {
 # are fixed; a pair listed here that no longer disagrees fails test_listed_differences_are_real.
 PENDING_OTHER_SESSIONS: set[tuple[str, str]] = set()
 
-PARAM_IN_SHELL = re.compile(r"(?:(--[\w-]+) )?'?\{params\.(\w+)(:q)?\}'?")
+PARAM_IN_SHELL = re.compile(r"(?:(--[\w-]+) )?'?\{(params|resources)\.(\w+)(:q)?\}'?")
 STAGE_IN_SHELL = re.compile(r"\beaglepipe\.(\w+) ")
 
 
@@ -68,10 +68,11 @@ def passed_by_rule(config: dict) -> dict[str, tuple[str, list[str]]]:
         os.chdir(cwd)
 
 
-def param_value(rule, name):
-    """A param as the job sees it: a function gets wildcards first (as Snakemake passes them), then
-    the rule's own, unformatted, input and output by name."""
-    value = rule.params[name]
+def param_value(rule, kind, name):
+    """A param or resource as the job sees it: a function gets wildcards first (as Snakemake passes
+    them), then the rule's own, unformatted, input and output by name."""
+    value = getattr(rule, kind)[name]
+    value = value.value if kind == "resources" else value  # a snakemake.resources.Resource
     if callable(value):
         _wildcards, *named = inspect.signature(value).parameters
         given = {"input": rule.input, "output": rule.output}
@@ -91,8 +92,8 @@ def passed_words(rule) -> tuple[str, list[str]]:
     shell = rule.shellcmd
     m = STAGE_IN_SHELL.search(shell)
     words = []
-    for flag, name, quoted in PARAM_IN_SHELL.findall(shell[m.end():]):  # the stage's arguments only
-        value = param_value(rule, name)
+    for flag, kind, name, quoted in PARAM_IN_SHELL.findall(shell[m.end():]):  # the stage's arguments only
+        value = param_value(rule, kind, name)
         if "{run}" not in str(value):  # not one of the rule's own paths
             words += ([flag] if flag else []) + as_shell_words(value, bool(quoted))
     return m.group(1), words

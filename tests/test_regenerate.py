@@ -621,3 +621,7 @@ def test_rules_rerun_on_their_own_sampling_changes_only(tmp_path, tiny_llama):
     assert {"regenerate_eval_prompts", "prepare_data"} <= set(jobs) and "regenerate_responses" not in jobs, out
     jobs, _, out = dry_run(ws, "--config", 'train={"lr": 0.002}')
     assert not {"regenerate_responses", "regenerate_eval_prompts", "prepare_data"} & set(jobs), out
+    # how the engine uses the machine changes no answer (the parts' keys leave it out): no rerun
+    engine = {"regenerate": {**regenerate, "hf_batch_size": 3}, "extract": {"gpu_memory_utilization": 0.5}}
+    jobs, _, out = dry_run(ws, "--config", *(f"{k}={json.dumps(v)}" for k, v in engine.items()))
+    assert not {"regenerate_responses", "regenerate_eval_prompts", "prepare_data"} & set(jobs), out

@@ -106,6 +106,12 @@ def test_training_setting_reruns_training_and_what_follows_only(done_run):
         assert "train_draft" in reasons["params have changed since last execution"]
 
 
+def test_settings_that_change_no_output_rerun_nothing(done_run):
+    """Where vLLM's files wait (extract.staging_dir) changes no shard: training must not rerun."""
+    jobs, _, out = dry_run(done_run, "--config", f'extract={{"staging_dir": "{done_run / "staging"}"}}')
+    assert jobs == {}, out
+
+
 def test_data_setting_reruns_from_tokenization(done_run):
     jobs, _, _ = dry_run(done_run, "--config", 'data={"max_length": 80}')
     assert set(jobs) == STAGES
