@@ -74,14 +74,14 @@ def main():
     template = templates["default"]
     chats, first_turns = first_turn_prompts(args.data, template, args.max_samples,
                                             args.max_model_len - args.max_new_tokens)
-    settings = Settings(
-        model=args.model, revision=None, template_digests=(template.digest(),), backend="vllm", turns="first",
-        temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
-        max_model_len=args.max_model_len, seed=args.seed, modes=modes, stop_token_ids=stops,
-        on_truncated="keep", on_loop="keep", loop_ngram=8, loop_min_distinct_share=0.5)
     gen = VLLMGenerator.load(args.model, Sampling(args.temperature, args.top_p, args.max_new_tokens, stops),
                         dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
                         max_model_len=args.max_model_len)
+    settings = Settings(
+        model=args.model, revision=None, template_digests=(template.digest(),), backend="vllm",
+        precision=gen.precision, turns="first", temperature=args.temperature, top_p=args.top_p,
+        max_new_tokens=args.max_new_tokens, max_model_len=args.max_model_len, seed=args.seed, modes=modes,
+        stop_token_ids=stops, on_truncated="keep", on_loop="keep", loop_ngram=8, loop_min_distinct_share=0.5)
     keep = {cid for cid, _ in first_turns}
 
     def plain():

@@ -63,7 +63,7 @@ def bench(monkeypatch):
 
     llm = SeededLLM()
     monkeypatch.setattr(bench_regenerate.VLLMGenerator, "load", classmethod(
-        lambda cls, model, sampling, **kw: VLLMGenerator(llm, sampling, SimpleNamespace)))
+        lambda cls, model, sampling, **kw: VLLMGenerator(llm, sampling, SimpleNamespace, kw["dtype"])))
     return bench_regenerate, llm
 
 

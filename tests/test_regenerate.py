@@ -70,7 +70,8 @@ class Scripted:
 
 
 def settings(**changes) -> Settings:
-    base = dict(model="m", revision=None, template_digests=("t",), backend="scripted", turns="all", temperature=0.0,
+    base = dict(model="m", revision=None, template_digests=("t",), backend="scripted", precision="float32",
+                turns="all", temperature=0.0,
                 top_p=1.0, max_new_tokens=64, max_model_len=4096, seed=0,
                 modes=(Mode("default", 1.0, {}),), stop_token_ids=(STOP,), on_truncated="keep", on_loop="drop",
                 loop_ngram=4, loop_min_distinct_share=0.5)
@@ -466,7 +467,7 @@ class FakeVLLM:
 def run_fake_vllm(tmp_path, tok, items, finish_per_step):
     engine = FakeVLLM(tok, finish_per_step)
     sampling = Sampling(0.7, 0.9, 64, (STOP,))
-    gen = VLLMGenerator(engine, sampling, SimpleNamespace)
+    gen = VLLMGenerator(engine, sampling, SimpleNamespace, "bfloat16")
     s = settings(temperature=0.7, top_p=0.9)
     parts = Regenerator(gen, mode_templates(tok, None, s.modes), s, tmp_path / "parts").run(batched_parts(iter(items), s, 4),
                                                                  _NoProgress())
@@ -524,6 +525,17 @@ def test_cli_is_deterministic_and_token_exact(tmp_path, tiny_llama):
         assert completion[-1] == STOP or len(completion) == 12
     stats = json.loads((tmp_path / "a" / "stats.json").read_text())
     assert stats["read"] == 8 and stats["run"]["parts_written"] == 3
+
+
+def test_answers_are_keyed_by_the_precision_they_were_computed_in(tmp_path, tiny_llama):
+    assert settings(precision="bfloat16").key() != settings().key()  # bf16 and fp32 answers differ
+    # on the CPU the hf backend computes in float32 whatever --dtype says: its parts stay reusable
+    data = tiny.make_chats(tmp_path / "chats.jsonl", n=4)
+    run_cli(cli(tmp_path, tiny_llama, data, "a", ["--batch-size", "2"]))
+    run_cli([*cli(tmp_path, tiny_llama, data, "a", ["--batch-size", "2"]), "--dtype", "bfloat16"])
+    stats = json.loads((tmp_path / "a" / "stats.json").read_text())
+    assert stats["settings"]["precision"] == "float32"
+    assert (stats["run"]["parts_reused"], stats["run"]["parts_written"]) == (2, 0)
 
 
 def test_sampling_follows_the_seed(tmp_path, tiny_llama):

@@ -71,6 +71,7 @@ class HFGenerator:
 
         self.device = torch.device(device)
         compute = torch.float32 if self.device.type == "cpu" else getattr(torch, dtype)
+        self.precision = str(compute).removeprefix("torch.")  # what the answers are computed in
         self.model = AutoModelForCausalLM.from_pretrained(
             model, revision=revision, trust_remote_code=trust_remote_code, dtype=compute).to(self.device).eval()
         # only the last position's logits when the model can skip the others (a prompt's [T, vocab] is large)
@@ -152,8 +153,9 @@ class VLLMGenerator:
     # default) so it stays full while conversations wait for their next turn and parts finish
     lookahead = 4096
 
-    def __init__(self, llm, sampling: Sampling, make_params):
+    def __init__(self, llm, sampling: Sampling, make_params, precision: str):
         self.llm, self.engine, self.sampling, self.make_params = llm, llm.llm_engine, sampling, make_params
+        self.precision = precision  # the dtype flag: "auto" follows the model's config, which the key names
 
     @classmethod
     def load(cls, model: str, sampling: Sampling, dtype: str, tensor_parallel_size: int = 1,
@@ -171,7 +173,8 @@ class VLLMGenerator:
             **kv_cache_kwargs(kv_cache_gib),
         )
         # detokenize=False: the engine has no tokenizer (skip_tokenizer_init); we decode ourselves
-        return cls(llm, sampling, partial(SamplingParams, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY))
+        return cls(llm, sampling, partial(SamplingParams, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY),
+                   dtype)
 
     def submit(self, request_id: str, prompt_ids: list[int], seed: int) -> None:
         s = self.sampling

@@ -88,6 +88,7 @@ class Settings:
     revision: str | None
     template_digests: tuple[str, ...]  # of each mode's template, kwargs and vocabulary
     backend: str
+    precision: str  # the dtype the target computes in (bf16 and fp32 answers differ)
     turns: str
     temperature: float
     top_p: float
@@ -559,16 +560,16 @@ def regenerate(args) -> dict:
     stops = stop_token_ids(tokenizer, args.model, args.revision, args.trust_remote_code)
     modes = args.modes
     templates = mode_templates(tokenizer, args.chat_template, modes)
+    generator = make_generator(args, Sampling(args.temperature, args.top_p, args.max_new_tokens, stops))
     settings = Settings(
         model=args.model, revision=args.revision,
         template_digests=tuple(templates[m.name].digest() for m in modes), backend=args.backend,
-        turns=args.turns, temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
+        precision=generator.precision, turns=args.turns, temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
         max_model_len=args.max_model_len, max_prompt_len=args.max_prompt_len, seed=args.seed, modes=modes,
         stop_token_ids=stops,
         on_truncated=args.on_truncated, on_loop=args.on_loop, loop_ngram=args.loop_ngram,
         loop_min_distinct_share=args.loop_min_distinct_share, answers_per_conversation=args.answers_per_conversation)
     remove_stale_temporaries(args.parts_dir)
-    generator = make_generator(args, Sampling(args.temperature, args.top_p, args.max_new_tokens, stops))
     regen = Regenerator(generator, templates, settings, args.parts_dir)
     items = islice(read_set(args.data), args.max_samples or None)
     with TokenProgress(None, "regenerate") as progress:
