@@ -325,14 +325,13 @@ def regenerate_engine_flags():
     changing one reruns nothing (as params they would rerun training and all after it).
     """
     x = config["extract"]
-    return " ".join(
-        [
-            f"--gpu-memory-utilization {x['gpu_memory_utilization']}",
-            "--enforce-eager" if x["enforce_eager"] else "",
-            kv_cache_flag(),
-            f"--hf-batch-size {config['regenerate']['hf_batch_size']}",
-        ]
-    )
+    flags = [
+        f"--gpu-memory-utilization {x['gpu_memory_utilization']}",
+        "--enforce-eager" if x["enforce_eager"] else "",
+        kv_cache_flag(),
+        f"--hf-batch-size {config['regenerate']['hf_batch_size']}",
+    ]
+    return " ".join(f for f in flags if f)
 
 
 def regenerate_params(data, max_samples, sampling):
