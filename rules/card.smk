@@ -11,6 +11,13 @@ rule model_card:
             if config["benchmark_serving"]["enabled"]
             else []
         ),
+        earlier=inputs_before(
+            rules.export_draft,
+            rules.train_draft,
+            rules.prepare_data,
+            rules.evaluate_offline,
+            *[rules.benchmark_serving] * bool(config["benchmark_serving"]["enabled"]),
+        ),
     output:
         protected("results/{run}/draft/README.md"),
     log:

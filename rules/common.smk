@@ -208,6 +208,47 @@ def replica_part_files(run):
     return expand(rules.extract_hidden_states.output.part, run=run, i=range(r), r=r)
 
 
+def inputs_before(*producers):
+    """Input function, named ``earlier`` in the rules that read other rules' outputs: what the
+    jobs of ``producers`` read, and (through their own ``earlier``) what every job before them read.
+
+    Snakemake reruns a job whose output exists only when one of its inputs is newer than that output
+    (or its params, code, ... changed), and rebuilds a missing intermediate file only for a job that
+    has to run (snakemake 9.27.1, dag.py ``update_needrun``). A job that fails or is killed after its
+    inputs were remade has lost its outputs, so a request for one later file (``snakemake
+    results/RUN/eval/offline.json``) saw only old or missing inputs and said "Nothing to be done"
+    over a result of the old ones. Among the earlier inputs the remade file is newer than the
+    requested one: the request reruns, and Snakemake rebuilds the missing files on the way (the
+    default target requests them as well, every_output). The producers' side outputs that nothing
+    after them reads (data/stats.json) are not among them, so editing one still reruns only its
+    readers.
+    """
+
+    def earlier(wildcards):
+        found = {}
+        for producer in producers:
+            for item in producer.input:
+                files = (
+                    item(wildcards)
+                    if callable(item)
+                    else (
+                        expand(item, **dict(wildcards.items())) if "{" in item else item
+                    )
+                )
+                for f in [files] if isinstance(files, str) else files:
+                    found.setdefault(str(f), f)
+        return list(found.values())
+
+    return earlier
+
+
+def regeneration_rules():
+    """The rules whose answers prepare_data reads."""
+    return [rules.regenerate_responses] * bool(config["regenerate"]["enabled"]) + [
+        rules.regenerate_eval_prompts
+    ] * bool(config["evaluate"]["prompts"])
+
+
 def every_output():
     """The deliverables and every intermediate output, all requested by ``rule all``.
 

@@ -27,6 +27,7 @@ rule prepare_data:
         eval_data=eval_data_input(),
         model=target_input(),
         chat_template=chat_template_input(),
+        earlier=inputs_before(*regeneration_rules()),
     output:
         train="results/{run}/data/train.jsonl",
         eval="results/{run}/data/eval.jsonl",
@@ -66,6 +67,7 @@ rule prepare_data:
 rule vocab_mapping:
     input:
         token_freq="results/{run}/data/token_freq.safetensors",
+        earlier=inputs_before(rules.prepare_data),
     output:
         "results/{run}/data/vocab_mapping.safetensors",
     log:

@@ -3,6 +3,7 @@ rule evaluate_offline:
         draft=rules.export_draft.output.weights,
         manifest=rules.gather_hidden_states.output.manifest,
         model=target_input(),
+        earlier=inputs_before(rules.export_draft, rules.gather_hidden_states),
     output:
         report(
             "results/{run}/eval/offline.json",
@@ -34,6 +35,12 @@ rule plot_report:
         stats=rules.prepare_data.output.stats,
         manifest=rules.gather_hidden_states.output.manifest,
         offline=rules.evaluate_offline.output[0],
+        earlier=inputs_before(
+            rules.train_draft,
+            rules.prepare_data,
+            rules.gather_hidden_states,
+            rules.evaluate_offline,
+        ),
     output:
         training=report(
             "results/{run}/report/training.svg",
@@ -64,6 +71,9 @@ rule benchmark_serving:
         eval=rules.prepare_data.output.eval,
         offline=rules.evaluate_offline.output[0],
         model=target_input(),
+        earlier=inputs_before(
+            rules.export_draft, rules.prepare_data, rules.evaluate_offline
+        ),
     output:
         serving=report(
             "results/{run}/eval/serving.json",
@@ -124,6 +134,7 @@ use rule extract_hidden_states as extract_parity_hidden_states with:
         train=rules.benchmark_serving.output.no_train,
         eval=rules.benchmark_serving.output.samples,
         model=target_input(),
+        earlier=inputs_before(rules.benchmark_serving),
     output:
         part="results/{run}/eval/parity/parts/replica-{i}-of-{r}.json",
     log:
@@ -144,6 +155,11 @@ rule evaluate_parity:
         ),
         serving=rules.benchmark_serving.output.serving,
         model=target_input(),
+        earlier=inputs_before(
+            rules.export_draft,
+            rules.extract_parity_hidden_states,
+            rules.benchmark_serving,
+        ),
     output:
         report(
             "results/{run}/eval/parity.json",
@@ -171,7 +187,8 @@ rule evaluate_parity:
 
 rule plot_serving:
     input:
-        rules.benchmark_serving.output.serving,
+        serving=rules.benchmark_serving.output.serving,
+        earlier=inputs_before(rules.benchmark_serving),
     output:
         report(
             "results/{run}/report/serving.svg",
@@ -185,4 +202,5 @@ rule plot_serving:
     params:
         code=code_digest("plots"),
     shell:
-        f"{STAGE}.plots " "--serving {input} --serving-out {output} > {log} 2>&1"
+        f"{STAGE}.plots "
+        "--serving {input.serving} --serving-out {output} > {log} 2>&1"

@@ -2,6 +2,7 @@
 rule export_draft:
     input:
         summary=rules.train_draft.output.summary,
+        earlier=inputs_before(rules.train_draft),
     output:
         config=protected("results/{run}/draft/config.json"),
         weights=protected("results/{run}/draft/model.safetensors"),

@@ -7,6 +7,7 @@ rule extract_hidden_states:
         train=rules.prepare_data.output.train,
         eval=rules.prepare_data.output.eval,
         model=target_input(),
+        earlier=inputs_before(rules.prepare_data),
     output:
         part="results/{run}/hidden_states/parts/replica-{i}-of-{r}.json",
     log:
@@ -55,7 +56,8 @@ rule extract_hidden_states:
 
 rule gather_hidden_states:
     input:
-        replica_parts,
+        parts=replica_parts,
+        earlier=inputs_before(rules.extract_hidden_states),
     output:
         manifest="results/{run}/hidden_states/manifest.json",
     log:
@@ -65,4 +67,4 @@ rule gather_hidden_states:
     params:
         code=code_digest("gather_manifest"),
     shell:
-        f"{STAGE}.gather_manifest " "--out {output.manifest} {input} > {log} 2>&1"
+        f"{STAGE}.gather_manifest " "--out {output.manifest} {input.parts} > {log} 2>&1"

@@ -5,6 +5,7 @@ rule train_draft:
         manifest=rules.gather_hidden_states.output.manifest,
         vocab=rules.vocab_mapping.output[0],
         model=target_input(),
+        earlier=inputs_before(rules.gather_hidden_states, rules.vocab_mapping),
     output:
         summary="results/{run}/train/summary.json",
         metrics="results/{run}/train/metrics.jsonl",

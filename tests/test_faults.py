@@ -15,8 +15,8 @@ import pytest
 import tiny
 from eaglepipe.dir_lock import dir_lock
 from test_workflow import tiny_config
-from workflow import (REPO, copy_workflow, differences, kill_stage, snakemake, start_snakemake, wait_for_line,
-                      write_config)
+from workflow import (REPO, copy_workflow, differences, dry_run, kill_stage, snakemake, start_snakemake,
+                      wait_for_line, write_config)
 
 
 def config(target: Path, chats: Path, **train) -> dict:
@@ -67,6 +67,39 @@ def test_killed_training_after_a_setting_change_reruns_to_the_uninterrupted_resu
     shutil.rmtree(faulted / "results/tiny/draft")
     snakemake(faulted)
     assert not (found := differences(faulted / "results/tiny", reference / "results/tiny")), "\n".join(found)
+
+
+OFFLINE = "results/tiny/eval/offline.json"
+
+
+def test_a_request_for_one_file_after_a_failed_export_reruns_the_export(finished, tmp_path):
+    """Retrained, then the export failed (it never overwrites a delivered draft) and Snakemake removed
+    its outputs: a request for the offline evaluation alone must not call the old one up to date."""
+    ws, target, chats = finished
+    faulted = clone(ws, tmp_path / "faulted")
+    write_config(faulted, config(target, chats, lr=0.002))
+    failed = snakemake(faulted, "--", OFFLINE, check=False)
+    assert failed.returncode != 0
+    assert not (faulted / "results/tiny/draft/model.safetensors").exists()
+    jobs, reasons, out = dry_run(faulted, "--", OFFLINE)
+    assert set(jobs) == {"export_draft", "evaluate_offline"}, out
+    assert "evaluate_offline" in reasons["updated input files"], out
+
+
+def test_a_request_for_one_file_after_a_killed_extraction_reruns_from_the_extraction(finished, tmp_path):
+    """New data, then the extraction was killed: Snakemake had removed its part file when the job
+    started (as here, by hand). The shards and everything made from them are the old data's."""
+    ws, target, chats = finished
+    faulted = clone(ws, tmp_path / "faulted")
+    changed = config(target, chats)
+    changed["data"]["max_length"] = 80
+    write_config(faulted, changed)
+    snakemake(faulted, "--", "results/tiny/data/train.jsonl")
+    for part in (faulted / "results/tiny/hidden_states/parts").glob("*.json"):
+        part.unlink()
+    jobs, _, out = dry_run(faulted, "--", OFFLINE)
+    assert set(jobs) == {"vocab_mapping", "extract_hidden_states", "gather_hidden_states", "train_draft",
+                         "export_draft", "evaluate_offline"}, out
 
 
 HOLD = "import sys, time; from eaglepipe.dir_lock import dir_lock\nwith dir_lock(sys.argv[1]):\n    print('held', flush=True); time.sleep(600)"
