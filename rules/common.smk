@@ -149,10 +149,17 @@ def revision_flag():
     return f"--revision {rev}" if rev else ""
 
 
-def kv_cache_flag():
-    """The fixed KV cache (vllm.kv_cache_gib) of each vLLM engine; none when vLLM sizes it."""
-    gib = config["vllm"]["kv_cache_gib"]
-    return "" if gib is None else f"--kv-cache-gib {gib}"
+def vllm_engine_flags(eager=True):
+    """How much of the machine each vLLM engine takes: extract.gpu_memory_utilization,
+    vllm.kv_cache_gib (none: vLLM sizes the cache) and, where ``eager``, extract.enforce_eager (the
+    serving benchmark runs as vLLM serves, with its CUDA graphs)."""
+    x, gib = config["extract"], config["vllm"]["kv_cache_gib"]
+    flags = [
+        f"--gpu-memory-utilization {x['gpu_memory_utilization']}",
+        "--enforce-eager" if eager and x["enforce_eager"] else "",
+        "" if gib is None else f"--kv-cache-gib {gib}",
+    ]
+    return " ".join(f for f in flags if f)
 
 
 def parity_requests_flag():
@@ -365,14 +372,9 @@ def regenerate_engine_flags():
     out, and the rules pass them as a resource, which no Snakemake rerun trigger looks at, so
     changing one reruns nothing (as params they would rerun training and all after it).
     """
-    x = config["extract"]
-    flags = [
-        f"--gpu-memory-utilization {x['gpu_memory_utilization']}",
-        "--enforce-eager" if x["enforce_eager"] else "",
-        kv_cache_flag(),
-        f"--hf-batch-size {config['regenerate']['hf_batch_size']}",
-    ]
-    return " ".join(f for f in flags if f)
+    return (
+        f"{vllm_engine_flags()} --hf-batch-size {config['regenerate']['hf_batch_size']}"
+    )
 
 
 def regenerate_params(data, max_samples, sampling):

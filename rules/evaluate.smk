@@ -97,8 +97,7 @@ rule benchmark_serving:
         dtype=config["target"]["dtype"],
         draft=lambda wc, input: os.path.dirname(input.draft),
         tp=config["extract"]["tensor_parallel_size"],
-        gpu_util=config["extract"]["gpu_memory_utilization"],
-        kv_cache=kv_cache_flag(),
+        engine=vllm_engine_flags(eager=False),
         n=config["benchmark_serving"]["num_prompts"],
         max_tokens=config["benchmark_serving"]["max_tokens"],
         concurrency=serving_list_arg("concurrency"),
@@ -122,7 +121,7 @@ rule benchmark_serving:
         "--min-seconds {params.min_seconds} --min-output-tokens {params.min_tokens} "
         "--near-tie-ulps {params.ulps} --parity-k {params.parity_k} "
         "{params.parity_requests} --tensor-parallel-size {params.tp} "
-        "--gpu-memory-utilization {params.gpu_util} {params.kv_cache} "
+        "{params.engine} "
         "--engine-args {params.engine_args:q} "
         "--out {output.serving} --parity-samples {output.samples} > {log} 2>&1"
 

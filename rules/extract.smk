@@ -36,9 +36,7 @@ rule extract_hidden_states:
         storage=config["extract"]["storage_dtype"],
         dtype=config["target"]["dtype"],
         max_model_len=config["extract"]["max_model_len"],
-        gpu_util=config["extract"]["gpu_memory_utilization"],
-        eager="--enforce-eager" if config["extract"]["enforce_eager"] else "",
-        kv_cache=kv_cache_flag(),
+        engine=vllm_engine_flags(),
         shard_dir=lambda wc, output: os.path.join(
             os.path.dirname(os.path.dirname(output.part)), "shards"
         ),
@@ -49,8 +47,7 @@ rule extract_hidden_states:
         "--model {params.model} {params.revision} {params.trust} --backend {params.backend} "
         "--device {params.device} --tensor-parallel-size {params.tp} --layer-ids {params.layer_ids} "
         "--batch-size {params.batch_size} --storage-dtype {params.storage} --dtype {params.dtype} "
-        "--max-model-len {params.max_model_len} --gpu-memory-utilization {params.gpu_util} "
-        "{params.eager} {params.kv_cache} --staging-dir {resources.staging_dir:q} --shard-dir {params.shard_dir} --replica {wildcards.i} "
+        "--max-model-len {params.max_model_len} {params.engine} --staging-dir {resources.staging_dir:q} --shard-dir {params.shard_dir} --replica {wildcards.i} "
         "--replicas {wildcards.r} --out {output.part} > {log} 2>&1"
 
 
