@@ -555,6 +555,7 @@ def make_generator(args, sampling: Sampling):
 def regenerate(args) -> dict:
     from transformers import AutoTokenizer
 
+    remove_stale_temporaries(args.parts_dir)  # before the model loads: a bad --parts-dir stops at once
     tokenizer = AutoTokenizer.from_pretrained(args.model, revision=args.revision,
                                               trust_remote_code=args.trust_remote_code)
     stops = stop_token_ids(tokenizer, args.model, args.revision, args.trust_remote_code)
@@ -569,7 +570,6 @@ def regenerate(args) -> dict:
         stop_token_ids=stops,
         on_truncated=args.on_truncated, on_loop=args.on_loop, loop_ngram=args.loop_ngram,
         loop_min_distinct_share=args.loop_min_distinct_share, answers_per_conversation=args.answers_per_conversation)
-    remove_stale_temporaries(args.parts_dir)
     regen = Regenerator(generator, templates, settings, args.parts_dir)
     items = islice(read_set(args.data), args.max_samples or None)
     with TokenProgress(None, "regenerate") as progress:
