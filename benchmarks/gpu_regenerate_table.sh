@@ -36,20 +36,21 @@ export HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 PYTHONUNBUFFERED=1
 # RUNS="..." picks runs (e.g. RUNS="regen17-t06-all regen17-t06-all-loops regen17-t06-all-trim
 # regen17-t06-all-x2": the target's loops kept, trimmed, two answer sets per conversation)
 RUNS=${RUNS:-"regen17-data regen17-greedy-first regen17-t06-first regen17-t06-all"}
+# SERVING=0: each run stops at its offline estimate on the MT-Bench set as served (within 1.2 % of
+# vLLM's online AL in the sixth session), saving its ~4 min of serving when device time is short
+BENCHMARK_SERVING='benchmark_serving={"enabled": true, "k": [3], "concurrency": [1], "num_prompts": 80}'
+TARGETS=(offline serving)
+if [ "${SERVING:-1}" = 0 ]; then
+  BENCHMARK_SERVING='benchmark_serving={"enabled": false}'
+  TARGETS=(offline)
+fi
 COMMON=(
   'data={"max_samples": 4000}'
   'evaluate={"prompts": "package:mtbench"}'
   'extract={"enforce_eager": true, "gpu_memory_utilization": 0.1}'
   'vllm={"kv_cache_gib": 8}'
-  'benchmark_serving={"enabled": true, "k": [3], "concurrency": [1], "num_prompts": 80}'
+  "$BENCHMARK_SERVING"
 )
-# SERVING=0: each run stops at its offline estimate on the MT-Bench set as served (within 1.2 % of
-# vLLM's online AL in the sixth session), saving its ~4 min of serving when device time is short
-TARGETS=(offline serving)
-if [ "${SERVING:-1}" = 0 ]; then
-  COMMON[4]='benchmark_serving={"enabled": false}'
-  TARGETS=(offline)
-fi
 regenerate_of() {
   case $1 in
     regen17-data) echo '{"enabled": false, "backend": "vllm"}' ;;
