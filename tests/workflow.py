@@ -133,6 +133,19 @@ def kill_stage(proc: subprocess.Popen, module: str) -> int:
     raise AssertionError(f"no eaglepipe.{module} process under snakemake {proc.pid}")
 
 
+def kill_stage_once_started(proc: subprocess.Popen, module: str, timeout: float = 600) -> int:
+    """kill -9 the ``eaglepipe.<module>`` job as soon as it is running (Snakemake has removed its
+    outputs by then; the stage itself is still importing)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return kill_stage(proc, module)
+        except AssertionError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+
+
 TIMING = ("tokens_per_s",)  # the only metrics that differ between two runs of the same settings
 
 
