@@ -109,41 +109,52 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def wait_until(found, proc: subprocess.Popen, what: str, timeout: float = 600, poll: float = 0.05):
+    """Call ``found()`` until it returns something true, and return that; fail if Snakemake ends
+    first or ``timeout`` seconds pass. ``what`` says what was awaited."""
+    deadline = time.monotonic() + timeout
+    while not (result := found()):
+        if proc.poll() is not None:
+            raise AssertionError(f"snakemake ended (rc {proc.returncode}) before {what}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        time.sleep(poll)
+    return result
+
+
 def wait_for_line(log: Path, text: str, proc: subprocess.Popen, timeout: float = 600) -> None:
     """Wait until ``log`` holds ``text`` (the stage reached the moment to fault it)."""
-    deadline = time.monotonic() + timeout
-    while not (log.is_file() and text in log.read_text(errors="replace")):
-        if proc.poll() is not None:
-            raise AssertionError(f"snakemake ended (rc {proc.returncode}) before {log} showed {text!r}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{log} did not show {text!r} within {timeout} s")
-        time.sleep(0.05)
+    wait_until(lambda: log.is_file() and text in log.read_text(errors="replace"), proc,
+               f"{log} showed {text!r}", timeout)
 
 
-def kill_stage(proc: subprocess.Popen, module: str) -> int:
-    """kill -9 the job process running ``python -m eaglepipe.<module>`` under this Snakemake."""
+def stage_pid(proc: subprocess.Popen, module: str) -> int | None:
+    """The job process running ``python -m eaglepipe.<module>`` under this Snakemake, if any."""
     for pid in descendants(proc.pid):
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except FileNotFoundError:
             continue
         if f"eaglepipe.{module}".encode() in cmdline:
-            os.kill(pid, signal.SIGKILL)
             return pid
-    raise AssertionError(f"no eaglepipe.{module} process under snakemake {proc.pid}")
+    return None
+
+
+def kill_stage(proc: subprocess.Popen, module: str) -> int:
+    """kill -9 the job process running ``python -m eaglepipe.<module>`` under this Snakemake."""
+    pid = stage_pid(proc, module)
+    if pid is None:
+        raise AssertionError(f"no eaglepipe.{module} process under snakemake {proc.pid}")
+    os.kill(pid, signal.SIGKILL)
+    return pid
 
 
 def kill_stage_once_started(proc: subprocess.Popen, module: str, timeout: float = 600) -> int:
     """kill -9 the ``eaglepipe.<module>`` job as soon as it is running (Snakemake has removed its
     outputs by then; the stage itself is still importing)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return kill_stage(proc, module)
-        except AssertionError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise
-            time.sleep(0.02)
+    pid = wait_until(lambda: stage_pid(proc, module), proc, f"eaglepipe.{module} started", timeout, poll=0.02)
+    os.kill(pid, signal.SIGKILL)
+    return pid
 
 
 TIMING = ("tokens_per_s",)  # the only metrics that differ between two runs of the same settings
