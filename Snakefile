@@ -28,3 +28,6 @@ rule all:
     default_target: True
     input:
         every_output(),
+
+
+check_earlier_inputs(workflow.rules)

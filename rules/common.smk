@@ -8,6 +8,7 @@ from pathlib import Path
 
 from snakemake.common.configfile import load_configfile
 from snakemake.exceptions import WorkflowError
+from snakemake.io import is_flagged, strip_wildcard_constraints
 from snakemake.utils import update_config, validate
 
 REPO = Path(workflow.basedir)
@@ -246,7 +247,41 @@ def inputs_before(*producers):
                     found.setdefault(str(f), f)
         return list(found.values())
 
+    earlier.producers = {producer.rule.name for producer in producers}
     return earlier
+
+
+def check_earlier_inputs(all_rules):
+    """Stops the workflow as it loads when a rule reads another rule's output without naming that rule
+    in its ``earlier`` input (inputs_before): without it a request for one file after a failed job
+    can call a stale result up to date, and no run shows it until that happens. Inputs given by a
+    function are known only per job and are not checked; an ancient input never reruns its reader;
+    a producer that reads no files has nothing for ``earlier`` to add."""
+    producer_of = {
+        strip_wildcard_constraints(f): producer.name
+        for producer in all_rules
+        if producer.input
+        for f in producer.output
+    }
+    # rules without outputs (all) only request files, and never call anything up to date
+    for reader in (r for r in all_rules if r.output):
+        read = {
+            producer_of[str(f)]
+            for f in reader.input
+            if not callable(f)
+            and str(f) in producer_of
+            and not is_flagged(f, "ancient")
+        }
+        named = getattr(reader.input.get("earlier"), "producers", set())
+        if read - named:
+            # lineno counts lines of the Python Snakemake compiled the file to
+            line = workflow.linemaps[reader.snakefile][reader.lineno]
+            raise WorkflowError(
+                f"{reader.snakefile}:{line}: rule {reader.name} reads the output of "
+                f"{', '.join(sorted(read - named))} but its input `earlier` does not name "
+                f"{'it' if len(read - named) == 1 else 'them'}: add "
+                f"earlier=inputs_before({', '.join(f'rules.{r}' for r in sorted(read | named))})"
+            )
 
 
 def regeneration_rules():

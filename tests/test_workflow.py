@@ -295,6 +295,31 @@ def test_replicas_plan_one_job_each_and_one_gather(tmp_path):
     assert jobs["extract_hidden_states"] == 3 and jobs["gather_hidden_states"] == 1, out
 
 
+def test_a_rule_reading_another_rules_output_without_naming_it_in_earlier_stops_the_plan(tmp_path):
+    """A new rule that forgets `earlier` would let a request for its file after a failed job call a
+    stale result up to date (test_faults); the workflow refuses to load instead."""
+    ws = copy_workflow(tmp_path)
+    rules = ws / "rules" / "evaluate.smk"
+    shipped = rules.read_text()
+    planted = ("\n\nrule summarize_draft:\n    input:\n        config=rules.export_draft.output.config,\n"
+               "        offline=rules.evaluate_offline.output[0],\n{earlier}    output:\n"
+               '        "results/{{run}}/eval/summary.txt",\n    shell:\n        "cat {{input.config}} > {{output}}"\n')
+    rules.write_text(shipped + planted.format(earlier=""))
+    line = shipped.count("\n") + 3
+    out = refused(ws)
+    assert (f"{rules}:{line}: rule summarize_draft reads the output of evaluate_offline, export_draft but its "
+            "input `earlier` does not name them: add earlier=inputs_before(rules.evaluate_offline, "
+            "rules.export_draft)") in out, out
+    # naming one of the two is not enough
+    rules.write_text(shipped + planted.format(earlier="        earlier=inputs_before(rules.export_draft),\n"))
+    out = refused(ws)
+    assert "rule summarize_draft reads the output of evaluate_offline but its input `earlier` does not name it" in out
+    rules.write_text(shipped + planted.format(
+        earlier="        earlier=inputs_before(rules.export_draft, rules.evaluate_offline),\n"))
+    jobs, _, out = dry_run(ws, "--", "results/smollm2-demo/eval/summary.txt")
+    assert jobs["summarize_draft"] == 1 and jobs["evaluate_offline"] == 1, out
+
+
 def test_lint_is_clean():
     p = subprocess.run([sys.executable, "-m", "snakemake", "--lint", "--directory", str(REPO),
                         "--workflow-profile", "none"], capture_output=True, text=True, cwd=REPO)
