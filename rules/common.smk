@@ -363,6 +363,7 @@ EVAL_PROMPTS_SAMPLING = {
     "on_truncated": "keep",
     "on_loop": "keep",
     "answers_per_conversation": 1,
+    "loop_retries": 0,
 }
 REGENERATE_SAMPLING = tuple(
     EVAL_PROMPTS_SAMPLING
@@ -450,6 +451,7 @@ REGENERATE_SHELL = (
     "--top-p {params.top_p} --max-new-tokens {params.max_new_tokens} --seed {params.seed} "
     "--modes {params.modes:q} {params.template} --on-truncated {params.on_truncated} --on-loop {params.on_loop} "
     "--loop-ngram {params.loop_ngram} --loop-min-distinct-share {params.loop_share} "
-    "--answers-per-conversation {params.answers_per_conversation} --batch-size {params.batch_size} "
+    "--answers-per-conversation {params.answers_per_conversation} --loop-retries {params.loop_retries} "
+    "--batch-size {params.batch_size} "
     "> {log} 2>&1"
 )

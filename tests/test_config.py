@@ -224,6 +224,23 @@ def test_engine_args_the_serving_benchmark_sets_itself_are_refused_naming_what_s
     assert config_errors(cfg, load_schema(SCHEMA)) == []
 
 
+def test_regenerate_settings_that_contradict_each_other_are_refused():
+    cfg = demo()
+    schema = load_schema(SCHEMA)
+    cfg["regenerate"] = {"temperature": 0, "answers_per_conversation": 2, "loop_retries": 1}
+    assert config_errors(cfg, schema) == [
+        "config key regenerate.answers_per_conversation = 2 is not allowed with regenerate.temperature 0: greedy "
+        "answer sets are all the same; sample (temperature > 0) or use 1",
+        "config key regenerate.loop_retries = 1 is not allowed with regenerate.temperature 0: a greedy answer "
+        "loops again; sample (temperature > 0) or use 0"]
+    cfg["regenerate"] = {"loop_retries": 2, "on_loop": "keep"}  # the schema's temperature samples
+    assert config_errors(cfg, schema) == [
+        "config key regenerate.loop_retries = 2 is not allowed with regenerate.on_loop 'keep': a kept loop is "
+        "never asked again"]
+    cfg["regenerate"] = {"loop_retries": 2, "answers_per_conversation": 2}
+    assert config_errors(cfg, schema) == []
+
+
 def test_muon_weight_decay_needs_the_muon_optimizer():
     cfg = demo()
     cfg["train"] = dict(cfg.get("train") or {}, optimizer="adamw", muon_weight_decay=0.05)

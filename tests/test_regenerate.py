@@ -61,7 +61,7 @@ class Scripted:
     def step(self):
         out = []
         for rid, prompt in self.queue:
-            _, pos, turn = rid.rsplit("-", 2)
+            _, pos, turn = rid.split("-")[:3]  # then the attempt, for a retried loop
             text, reason = self.answer(int(pos), int(turn), prompt)
             ids = self.tok.encode(text, add_special_tokens=False)
             out.append(Finished(rid, ids + [STOP] if reason == "stop" else ids, reason))
@@ -307,6 +307,53 @@ def test_a_trimmed_loop_keeps_its_prefix_and_the_conversation_goes_on(tmp_path, 
     assert (mode["answers"], mode["answers_kept"], mode["loops"], mode["loops_trimmed"]) == (2, 2, 1, 1)
     assert mode["answer_tokens"] == len(loop_ids) + 1 + len(masked) - keep  # as generated, stop tokens included
     assert mode["answer_tokens_kept"] == len(masked) and stats["ended_early_by_reason"] == {}
+
+
+def looping_first(times):
+    """A script whose first turn loops on its first ``times`` attempts (the calls are counted)."""
+    calls = Counter()
+
+    def answer(pos, turn, prompt):
+        calls[pos, turn] += 1
+        if turn == 0 and calls[pos, turn] <= times:
+            return "a new answer: " + LOOP, "stop"
+        return ANSWERS[turn], "stop"
+    return answer
+
+
+def test_a_looping_answer_is_asked_again_with_a_new_seed_and_the_conversation_goes_on(tmp_path, tok):
+    c = chat("c0", ("user", "what is it?"), ("user", "and then?"))
+    records, stats, gen = run_scripted(tmp_path, tok, [c], looping_first(2), loop_retries=2, temperature=0.6)
+    (record,) = records
+    assert record["answers"] == ANSWERS
+    # the first attempt's seed is what it was without retries; each retry draws anew
+    assert [gen.seeds[r] for r in ("0-0-0", "0-0-0-1", "0-0-0-2", "0-0-1")] == [
+        request_seed(0, "c0", 0), request_seed(0, "c0", 0, 1), request_seed(0, "c0", 0, 2), request_seed(0, "c0", 1)]
+    assert len(set(gen.seeds.values())) == 4
+    # the second turn is asked on the kept answer, never on a retried one
+    kept = prompt_ids(tok, [{"role": "user", "content": "what is it?"}]) + tok.encode(ANSWERS[0], add_special_tokens=False)
+    assert gen.prompts["0-0-1"][:len(kept)] == kept
+    masked = [t for t, m in zip(record["input_ids"], record["loss_mask"]) if m]
+    assert masked == [t for a in ANSWERS for t in tok.encode(a, add_special_tokens=False) + [STOP]]
+    mode = stats["by_mode"]["default"]
+    assert (mode["answers"], mode["answers_kept"], mode["loops"]) == (4, 2, 2)
+    assert mode["dropped_by_reason"] == {"loop_retried": 2}
+    assert stats["kept"] == 1 and stats["ended_early_by_reason"] == {}
+
+
+@pytest.mark.parametrize("on_loop", ["drop", "trim"])
+def test_a_loop_past_its_retries_is_dropped_or_trimmed(tmp_path, tok, on_loop):
+    c = chat("c0", ("user", "what is it?"), ("user", "and then?"))
+    records, stats, gen = run_scripted(tmp_path, tok, [c], looping_first(3), loop_retries=2, temperature=0.6,
+                                       on_loop=on_loop)
+    mode = stats["by_mode"]["default"]
+    assert mode["loops"] == 3 and mode["dropped_by_reason"]["loop_retried"] == 2
+    if on_loop == "drop":
+        assert records == [] and stats["skipped_by_reason"] == {"loop": 1} and len(gen.prompts) == 3
+    else:  # the last attempt is trimmed and the conversation goes on
+        assert [len(r["answers"]) for r in records] == [2] and mode["loops_trimmed"] == 1
+    assert "loop_retries" not in settings().key()  # none: parts written before stay valid
+    assert '"loop_retries": 2' in settings(loop_retries=2).key()
 
 
 def test_a_turn_whose_prompt_is_longer_than_the_training_length_is_not_asked(tmp_path, tok):
@@ -562,6 +609,29 @@ def test_the_first_answer_set_is_a_single_sets_answers(tmp_path, tiny_llama):
     p = subprocess.run(cli(tmp_path, tiny_llama, data, "greedy", ["--answers-per-conversation", "2", "--temperature", "0"]),
                        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO / "scripts")})
     assert p.returncode == 2 and "greedy answer sets are all the same" in p.stderr
+    for flags, why in ((["--loop-retries", "1", "--temperature", "0"], "a greedy answer loops again"),
+                       (["--loop-retries", "1", "--on-loop", "keep"], "a kept loop is never asked again")):
+        p = subprocess.run(cli(tmp_path, tiny_llama, data, "bad", flags), capture_output=True, text=True,
+                           env={**os.environ, "PYTHONPATH": str(REPO / "scripts")})
+        assert p.returncode == 2 and why in p.stderr, p.stderr
+
+
+def test_retried_loops_are_deterministic_and_leave_first_attempts_as_they_were(tmp_path, tiny_llama):
+    data = tiny.make_chats(tmp_path / "chats.jsonl", n=8)
+    # any repeated token is a loop here, so the random target loops often
+    loops = ["--temperature", "1.0", "--on-loop", "drop", "--loop-ngram", "1", "--loop-min-distinct-share", "1.0",
+             "--turns", "first"]
+    run_cli(cli(tmp_path, tiny_llama, data, "none", loops))
+    for name, batch in (("a", "3"), ("b", "5")):
+        run_cli(cli(tmp_path, tiny_llama, data, name, [*loops, "--loop-retries", "3", "--batch-size", batch]))
+    none, a, b = ((tmp_path / n / "chats.jsonl").read_text() for n in ("none", "a", "b"))
+    assert a == b  # the retries' seeds do not depend on the parts
+    # an answer that did not loop at its first attempt is the same with retries
+    assert set(none.splitlines()) < set(a.splitlines())
+    stats = {n: json.loads((tmp_path / n / "stats.json").read_text()) for n in ("none", "a")}
+    retried = stats["a"]["by_mode"]["default"]["dropped_by_reason"]["loop_retried"]
+    assert retried > 0 and stats["a"]["kept"] > stats["none"]["kept"]
+    assert stats["a"]["settings"]["loop_retries"] == 3
 
 
 def test_resume_after_kill_equals_an_uninterrupted_run(tmp_path, tiny_llama):

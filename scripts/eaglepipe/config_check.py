@@ -119,6 +119,7 @@ def config_errors(config: dict, schema: dict) -> list[str]:
     if train.get("muon_weight_decay") is not None and optimizer != "muon":
         out.append(f"config key train.muon_weight_decay = {train['muon_weight_decay']!r} is not allowed with "
                    f"train.optimizer {optimizer!r}: it sets the Muon group (optimizer muon)")
+    out += regenerate_errors(config.get("regenerate") or {}, schema["properties"]["regenerate"]["properties"])
     engine_args = (config.get("benchmark_serving") or {}).get("engine_args")
     if isinstance(engine_args, dict):
         out += [f"config key {e}" for e in engine_args_errors(engine_args)]
@@ -126,6 +127,25 @@ def config_errors(config: dict, schema: dict) -> list[str]:
     if isinstance(ids, list) and all(isinstance(i, int) for i in ids) and ids != sorted(set(ids)):
         out.append(f"config key extract.layer_ids = {ids} is not allowed: it must be strictly "
                    f"ascending with the final layer (num_hidden_layers) last")
+    return out
+
+
+def regenerate_errors(given: dict, properties: dict) -> list[str]:
+    """Sampling settings that contradict each other (the schema's default where a key is not given)."""
+    def value(key):
+        return given.get(key, properties[key]["default"])
+
+    out = []
+    sampled = isinstance(value("temperature"), (int, float)) and value("temperature") > 0
+    for key, why in (("answers_per_conversation", "greedy answer sets are all the same"),
+                     ("loop_retries", "a greedy answer loops again")):
+        n = value(key)
+        if isinstance(n, int) and n > properties[key]["minimum"] and not sampled:
+            out.append(f"config key regenerate.{key} = {n} is not allowed with regenerate.temperature "
+                       f"{value('temperature')!r}: {why}; sample (temperature > 0) or use {properties[key]['default']}")
+    if isinstance(value("loop_retries"), int) and value("loop_retries") > 0 and value("on_loop") == "keep":
+        out.append(f"config key regenerate.loop_retries = {value('loop_retries')} is not allowed with "
+                   "regenerate.on_loop 'keep': a kept loop is never asked again")
     return out
 
 

@@ -103,6 +103,7 @@ class Settings:
     loop_min_distinct_share: float
     answers_per_conversation: int = 1
     max_prompt_len: int = 0  # 0: only the engine's bound (max_model_len - max_new_tokens)
+    loop_retries: int = 0  # a looping answer asked again with a new seed, up to this many times
 
     def prompt_bound(self) -> int:
         """The longest prompt a turn may have: the engine's bound, or the training length if shorter."""
@@ -115,6 +116,8 @@ class Settings:
             del d["answers_per_conversation"]
         if self.prompt_bound() == self.max_model_len - self.max_new_tokens:  # as before the setting
             del d["max_prompt_len"]
+        if d["loop_retries"] == 0:  # as before the setting
+            del d["loop_retries"]
         return json.dumps(d, sort_keys=True)
 
 
@@ -140,8 +143,9 @@ def pick_mode(modes: tuple[Mode, ...], seed: int, conversation: str) -> Mode:
     return modes[-1]
 
 
-def request_seed(seed: int, conversation: str, turn: int) -> int:
-    return int(_unit("sample", seed, conversation, turn) * 2**31)
+def request_seed(seed: int, conversation: str, turn: int, attempt: int = 0) -> int:
+    """A turn's seed; a retried loop's ``attempt`` (1, 2, ...) draws anew, the first is as it always was."""
+    return int(_unit("sample", seed, conversation, turn, *([attempt] if attempt else [])) * 2**31)
 
 
 def read_mtbench() -> Iterator[Chat | Skip]:
@@ -201,6 +205,8 @@ class Conversation:
     answers: list[Answer] = field(default_factory=list)
     end: str | None = None  # why it stopped early (an answer dropped, a failure); None = all turns answered
     dropped: Answer | None = None  # the answer that ended it, counted but not kept
+    retried: list[Answer] = field(default_factory=list)  # looping answers asked again, counted but not kept
+    attempt: int = 0  # of the turn being answered: 0, then 1, 2, ... for its retries
 
 
 class Part:
@@ -320,30 +326,43 @@ class Regenerator:
         if len(prompt) > self.settings.prompt_bound():
             conv.end = "prompt_too_long"
             return False
-        rid = f"{part.index}-{pos}-{turn}"
-        self.gen.submit(rid, prompt, request_seed(self.settings.seed, conv.key, turn))
-        self.requests[rid] = (part, pos)
+        conv.attempt = 0
         conv.answers.append(Answer(prompt, [], "pending"))
+        self._submit(part, pos)
         return True
 
-    def _answered(self, done: Finished) -> tuple[Part, int]:
+    def _submit(self, part: Part, pos: int) -> None:
+        """Ask for the answer of the conversation's last (pending) turn, at its current attempt."""
+        conv = part.conversations[pos]
+        turn = len(conv.answers) - 1
+        rid = f"{part.index}-{pos}-{turn}" + (f"-{conv.attempt}" if conv.attempt else "")
+        self.gen.submit(rid, conv.answers[-1].prompt_ids, request_seed(self.settings.seed, conv.key, turn, conv.attempt))
+        self.requests[rid] = (part, pos)
+
+    def _answered(self, done: Finished) -> tuple[Part, int, bool]:
+        """Take a finished request into its conversation; (part, slot, whether it was asked again)."""
         part, pos = self.requests.pop(done.request_id)
         conv = part.conversations[pos]
         prompt = conv.answers[-1].prompt_ids
         if done.finish_reason not in ("stop", "length"):
             conv.answers.pop()
             conv.end = f"failed: the engine finished the request with {done.finish_reason!r}"
-            return part, pos
+            return part, pos, False
         s = self.settings
         flags = classify(done.token_ids, done.finish_reason, s)
         answer = Answer(prompt, done.token_ids, done.finish_reason, flags, len(done.token_ids))
+        if flags.loop and s.on_loop != "keep" and conv.attempt < s.loop_retries:
+            conv.retried.append(answer)
+            conv.attempt += 1
+            self._submit(part, pos)
+            return part, pos, True
         drop = ("empty_answer" if flags.empty else
                 "loop" if flags.loop and s.on_loop == "drop" else
                 "truncated" if flags.truncated and s.on_truncated == "drop" else None)
         if drop:
             conv.answers.pop()
             conv.end, conv.dropped = drop, answer
-            return part, pos
+            return part, pos, False
         if flags.loop and s.on_loop == "trim":  # the content loops, so its prefix never reaches the stop token
             keep = longest_non_loop_prefix(content_of(answer.token_ids, answer.finish_reason), s.loop_ngram,
                                            s.loop_min_distinct_share)
@@ -351,7 +370,7 @@ class Regenerator:
         conv.answers[-1] = answer
         text = self.tok.decode(content_of(answer.token_ids, answer.finish_reason))
         conv.history.append(history_turn(text, conv.chat.source))
-        return part, pos
+        return part, pos, False
 
     # -- parts ------------------------------------------------------------------------------
     def _start_part(self, part: Part) -> None:
@@ -398,6 +417,8 @@ class Regenerator:
         mode["conversations"] += 1
         for a in conv.answers:
             count_answer(mode, a)
+        for a in conv.retried:
+            count_answer(mode, a, dropped="loop_retried")
         reason = conv.end and conv.end.split(":")[0]
         if conv.dropped is not None:
             count_answer(mode, conv.dropped, dropped=reason)
@@ -446,9 +467,9 @@ class Regenerator:
             if not self.requests:
                 return done
             for finished in self.gen.step():
-                part, pos = self._answered(finished)
+                part, pos, asked_again = self._answered(finished)
                 progress.update(len(finished.token_ids))
-                if not self._ask(part, pos):
+                if not asked_again and not self._ask(part, pos):
                     part.open -= 1
                     self.open_conversations -= 1
                     if part.open == 0:
@@ -569,7 +590,8 @@ def regenerate(args) -> dict:
         max_model_len=args.max_model_len, max_prompt_len=args.max_prompt_len, seed=args.seed, modes=modes,
         stop_token_ids=stops,
         on_truncated=args.on_truncated, on_loop=args.on_loop, loop_ngram=args.loop_ngram,
-        loop_min_distinct_share=args.loop_min_distinct_share, answers_per_conversation=args.answers_per_conversation)
+        loop_min_distinct_share=args.loop_min_distinct_share, answers_per_conversation=args.answers_per_conversation,
+        loop_retries=args.loop_retries)
     regen = Regenerator(generator, templates, settings, args.parts_dir)
     items = islice(read_set(args.data), args.max_samples or None)
     with TokenProgress(None, "regenerate") as progress:
@@ -630,6 +652,9 @@ def main(argv=None):
     p.add_argument("--loop-min-distinct-share", type=float, default=0.5)
     p.add_argument("--answers-per-conversation", type=int, default=1,
                    help="answer sets per conversation, each with its own seeds (sampling only)")
+    p.add_argument("--loop-retries", type=int, default=0,
+                   help="ask a looping answer again with a new seed up to this many times before --on-loop "
+                        "drops or trims it (sampling only)")
     p.add_argument("--batch-size", type=int, default=256, help="conversations per resumable part")
     p.add_argument("--hf-batch-size", type=int, default=32,
                    help="hf backend: requests decoded together (the answers do not depend on it)")
@@ -645,6 +670,13 @@ def main(argv=None):
     if args.answers_per_conversation > 1 and args.temperature == 0:
         p.error(f"--answers-per-conversation {args.answers_per_conversation} with --temperature 0: greedy answer "
                 "sets are all the same; sample (--temperature > 0) or use 1")
+    if args.loop_retries < 0:
+        p.error(f"--loop-retries must be >= 0, got {args.loop_retries}")
+    if args.loop_retries and args.temperature == 0:
+        p.error(f"--loop-retries {args.loop_retries} with --temperature 0: a greedy answer loops again; "
+                "sample (--temperature > 0) or use 0")
+    if args.loop_retries and args.on_loop == "keep":
+        p.error(f"--loop-retries {args.loop_retries} with --on-loop keep: a kept loop is never asked again")
     regenerate(args)
 
 
