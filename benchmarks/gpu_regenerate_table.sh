@@ -63,6 +63,8 @@ regenerate_of() {
     regen17-t06-all-trim) echo '{"enabled": true, "backend": "vllm", "temperature": 0.6, "top_p": 0.95, "turns": "all", "on_loop": "trim"}' ;;
     # two answer sets per conversation: twice the target's text from the same 4,000 prompts
     regen17-t06-all-x2) echo '{"enabled": true, "backend": "vllm", "temperature": 0.6, "top_p": 0.95, "turns": "all", "answers_per_conversation": 2}' ;;
+    # a looping answer asked again (new seeds) up to twice before it is dropped: its prompt and later turns kept
+    regen17-t06-all-retry2) echo '{"enabled": true, "backend": "vllm", "temperature": 0.6, "top_p": 0.95, "turns": "all", "loop_retries": 2}' ;;
     *) echo "unknown run $1" >&2; return 1 ;;
   esac
 }

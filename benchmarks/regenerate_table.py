@@ -43,7 +43,7 @@ def row(run: Path, isolated: dict[str, dict]) -> dict:
         modes = regen["by_mode"].values()
         generated = sum(m["answers"] for m in modes)
         r.update(temperature=st["temperature"], top_p=st["top_p"], turns=st["turns"], on_loop=st["on_loop"],
-                 answer_sets=st.get("answers_per_conversation", 1),
+                 answer_sets=st.get("answers_per_conversation", 1), loop_retries=st.get("loop_retries", 0),
                  max_new_tokens=st["max_new_tokens"], conversations_kept=regen["kept"], read=regen["read"],
                  loops=sum(m["loops"] for m in modes) / max(generated, 1),
                  at_max_new_tokens=sum(m["truncated"] for m in modes) / max(generated, 1),
@@ -91,7 +91,8 @@ def main() -> None:
         temperature = "greedy" if r.get("temperature") == 0 else f"{r.get('temperature')} / {r.get('top_p')}"
         sampling = "-"
         if "turns" in r:
-            sampling = (f"{temperature} / {r['turns']}" + (", loops kept" if r["on_loop"] == "keep" else "")
+            sampling = (f"{temperature} / {r['turns']}" + {"keep": ", loops kept", "trim": ", loops trimmed"}.get(r["on_loop"], "")
+                        + (f", loops asked again up to {r['loop_retries']}x" if r["loop_retries"] else "")
                         + (f", {r['answer_sets']} answer sets" if r["answer_sets"] > 1 else ""))
         kept = f"{r['conversations_kept']} / {r['read']}" if "read" in r else "-"
         degenerate = f"{r['loops']:.0%}, {r['at_max_new_tokens']:.0%}" if "loops" in r else "-"
