@@ -275,7 +275,9 @@ def check_earlier_inputs(all_rules):
         named = getattr(reader.input.get("earlier"), "producers", set())
         if read - named:
             # lineno counts lines of the Python Snakemake compiled the file to
-            line = workflow.linemaps[reader.snakefile][reader.lineno]
+            line = workflow.linemaps.get(reader.snakefile, {}).get(
+                reader.lineno, reader.lineno
+            )
             raise WorkflowError(
                 f"{reader.snakefile}:{line}: rule {reader.name} reads the output of "
                 f"{', '.join(sorted(read - named))} but its input `earlier` does not name "
