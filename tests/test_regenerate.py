@@ -483,10 +483,10 @@ def test_mtbench_questions_are_the_80_two_turn_prompts():
 class FakeVLLM:
     """``llm_engine.add_request`` + ``step()`` as vLLM's offline engine: each step finishes a random
     subset of the queued requests (FINAL_ONLY outputs, the stop token in ``token_ids``); the answer
-    depends on the request's seed only, as a seeded sampler's would."""
+    depends on the request's seed only, as a seeded sampler's would (a loop where ``loops(seed)``)."""
 
-    def __init__(self, tok, finish_per_step: int, seed: int = 0):
-        self.tok, self.n, self.rng = tok, finish_per_step, random.Random(seed)
+    def __init__(self, tok, finish_per_step: int, seed: int = 0, loops=lambda seed: False):
+        self.tok, self.n, self.rng, self.loops = tok, finish_per_step, random.Random(seed), loops
         self.queue, self.params, self.events = {}, {}, []
         self.llm_engine = self
 
@@ -503,7 +503,7 @@ class FakeVLLM:
         out = []
         for rid in rids[: self.n]:
             params = self.queue.pop(rid)
-            text = " ".join(random.Random(params.seed).sample(tiny.WORDS, 4)) + "."
+            text = LOOP if self.loops(params.seed) else " ".join(random.Random(params.seed).sample(tiny.WORDS, 4)) + "."
             ids = self.tok.encode(text, add_special_tokens=False) + [STOP]
             out.append(SimpleNamespace(request_id=rid, finished=True,
                                        outputs=[SimpleNamespace(token_ids=ids, finish_reason="stop")]))
@@ -511,11 +511,11 @@ class FakeVLLM:
         return out + [SimpleNamespace(request_id="unfinished-noise", finished=False, outputs=[])]
 
 
-def run_fake_vllm(tmp_path, tok, items, finish_per_step):
-    engine = FakeVLLM(tok, finish_per_step)
+def run_fake_vllm(tmp_path, tok, items, finish_per_step, loops=lambda seed: False, **changes):
+    engine = FakeVLLM(tok, finish_per_step, loops=loops)
     sampling = Sampling(0.7, 0.9, 64, (STOP,))
     gen = VLLMGenerator(engine, sampling, SimpleNamespace, "bfloat16")
-    s = settings(temperature=0.7, top_p=0.9)
+    s = settings(temperature=0.7, top_p=0.9, **changes)
     parts = Regenerator(gen, mode_templates(tok, None, s.modes), s, tmp_path / "parts").run(batched_parts(iter(items), s, 4),
                                                                  _NoProgress())
     assemble(parts, tmp_path / "parts", tmp_path / "out.jsonl")
@@ -537,6 +537,20 @@ def test_vllm_request_stream_answers_reach_their_conversations_in_any_order(tmp_
     order = engine.events
     first_next_turn = min(i for i, (kind, rid) in enumerate(order) if kind == "add" and rid.endswith("-1"))
     assert first_next_turn < max(i for i, (kind, rid) in enumerate(order) if kind == "done" and rid.endswith("-0"))
+
+
+def test_retried_loops_in_the_vllm_request_stream_reach_their_conversations_in_any_order(tmp_path, tok):
+    items = [chat(f"c{i}", *[("user", f"question {j} of {i}?") for j in range(1 + i % 3)]) for i in range(12)]
+    streamed, engine = run_fake_vllm(tmp_path / "a", tok, items, 3, lambda seed: seed % 3 == 0, loop_retries=2)
+    serial, _ = run_fake_vllm(tmp_path / "b", tok, items, 1, lambda seed: seed % 3 == 0, loop_retries=2)
+    assert streamed == serial
+    retries = [rid.split("-") for rid in engine.params if rid.count("-") == 3]
+    assert retries and all(attempt in ("1", "2") for *_, attempt in retries)
+    for rid, params in engine.params.items():
+        part, pos, turn, *attempt = map(int, rid.split("-"))
+        assert params.seed == request_seed(0, f"c{part * 4 + pos}", turn, *attempt)
+    # every kept answer is one that did not loop
+    assert LOOP not in streamed and len(streamed.splitlines()) > 0
 
 
 # -- the CLI with a real (tiny, random) target on transformers ------------------------------------
