@@ -130,23 +130,30 @@ def config_errors(config: dict, schema: dict) -> list[str]:
     return out
 
 
-def regenerate_errors(given: dict, properties: dict) -> list[str]:
-    """Sampling settings that contradict each other (the schema's default where a key is not given)."""
-    def value(key):
-        return given.get(key, properties[key]["default"])
-
+def regenerate_contradictions(temperature: float, answers_per_conversation: int, loop_retries: int,
+                              on_loop: str) -> list[tuple[str, str, str]]:
+    """(setting, the setting it contradicts, why) for regeneration settings that cannot work together;
+    the config check and regenerate_responses' CLI both state them from here."""
     out = []
-    sampled = isinstance(value("temperature"), (int, float)) and value("temperature") > 0
-    for key, why in (("answers_per_conversation", "greedy answer sets are all the same"),
-                     ("loop_retries", "a greedy answer loops again")):
-        n = value(key)
-        if isinstance(n, int) and n > properties[key]["minimum"] and not sampled:
-            out.append(f"config key regenerate.{key} = {n} is not allowed with regenerate.temperature "
-                       f"{value('temperature')!r}: {why}; sample (temperature > 0) or use {properties[key]['default']}")
-    if isinstance(value("loop_retries"), int) and value("loop_retries") > 0 and value("on_loop") == "keep":
-        out.append(f"config key regenerate.loop_retries = {value('loop_retries')} is not allowed with "
-                   "regenerate.on_loop 'keep': a kept loop is never asked again")
+    if temperature == 0 and answers_per_conversation > 1:
+        out.append(("answers_per_conversation", "temperature",
+                    "greedy answer sets are all the same; sample (temperature > 0) or use 1"))
+    if temperature == 0 and loop_retries > 0:
+        out.append(("loop_retries", "temperature", "a greedy answer loops again; sample (temperature > 0) or use 0"))
+    if loop_retries > 0 and on_loop == "keep":
+        out.append(("loop_retries", "on_loop", "a kept loop is never asked again"))
     return out
+
+
+def regenerate_errors(given: dict, properties: dict) -> list[str]:
+    """regenerate_contradictions as config errors (the schema's default where a key is not given)."""
+    keys = ("temperature", "answers_per_conversation", "loop_retries", "on_loop")
+    value = {key: given.get(key, properties[key]["default"]) for key in keys}
+    # a value of the wrong type has its own error from the schema
+    if not all(isinstance(value[key], t) for key, t in zip(keys, ((int, float), int, int, str))):
+        return []
+    return [f"config key regenerate.{key} = {value[key]!r} is not allowed with regenerate.{other} "
+            f"{value[other]!r}: {why}" for key, other, why in regenerate_contradictions(**value)]
 
 
 def names_target(config: dict) -> bool:

@@ -62,6 +62,7 @@ from eaglepipe import tokenized_samples
 from eaglepipe.atomic import atomic_path, read_json_object, remove_stale_temporaries, write_json
 from eaglepipe.chat_data import Chat, Skip, iter_chats, normalize
 from eaglepipe.chat_template import ChatTemplate
+from eaglepipe.config_check import regenerate_contradictions
 from eaglepipe.degenerate import is_loop, longest_non_loop_prefix
 from eaglepipe.generation import Finished, HFGenerator, Sampling, VLLMGenerator, stop_token_ids
 from eaglepipe.progress import TokenProgress
@@ -667,16 +668,12 @@ def main(argv=None):
         p.error(f"--max-prompt-len must be >= 0 (0: no bound of its own), got {args.max_prompt_len}")
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         p.error(f"--temperature must be >= 0 and --top-p in (0, 1], got {args.temperature}, {args.top_p}")
-    if args.answers_per_conversation > 1 and args.temperature == 0:
-        p.error(f"--answers-per-conversation {args.answers_per_conversation} with --temperature 0: greedy answer "
-                "sets are all the same; sample (--temperature > 0) or use 1")
     if args.loop_retries < 0:
         p.error(f"--loop-retries must be >= 0, got {args.loop_retries}")
-    if args.loop_retries and args.temperature == 0:
-        p.error(f"--loop-retries {args.loop_retries} with --temperature 0: a greedy answer loops again; "
-                "sample (--temperature > 0) or use 0")
-    if args.loop_retries and args.on_loop == "keep":
-        p.error(f"--loop-retries {args.loop_retries} with --on-loop keep: a kept loop is never asked again")
+    for key, other, why in regenerate_contradictions(args.temperature, args.answers_per_conversation,
+                                                     args.loop_retries, args.on_loop):
+        p.error(f"--{key.replace('_', '-')} {getattr(args, key)} with --{other.replace('_', '-')} "
+                f"{getattr(args, other)}: {why}")
     regenerate(args)
 
 
