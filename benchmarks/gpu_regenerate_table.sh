@@ -22,7 +22,7 @@
 #       for each run's draft (K 2-4, concurrency 1 and 4), one after the other.
 #   bash benchmarks/gpu_regenerate_table.sh _spread RUN [REPEATS]   (in THEN, or detached by hand) RUN's draft
 #       served REPEATS rounds (default 2) of one engine per setting in SPREAD (default "small default":
-#       the pipeline's memory settings, vLLM's default; also seqs8, noasync), K=3, concurrency 1:
+#       the pipeline's memory settings, vLLM's default; also seqs8, noasync, v1), K=3, concurrency 1:
 #       status prints benchmarks/serving_spread.py's table.
 #   bash benchmarks/gpu_regenerate_table.sh status [WAIT_S]   waits up to WAIT_S s while anything runs,
 #       prints progress and the table (benchmarks/regenerate_table.py), copies results to $OUT.
@@ -120,19 +120,23 @@ spread() {  # spread RUN [REPEATS]: its draft served (K=3, concurrency 1, 80 pro
   # engines and a setting's effect come apart (benchmarks/serving_spread.py prints them); each file is
   # kept as it ends. Settings: small = the pipeline runs' memory (gpu_memory_utilization 0.1, an 8 GiB
   # KV cache); default = vLLM's (0.9); seqs8 / noasync = default plus engine arguments (max_num_seqs 8;
-  # async_scheduling off)
+  # async_scheduling off); v1 = default on vLLM's V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0)
   local run=$1 i s
   for i in $(seq 1 "${2:-2}"); do
     for s in ${SPREAD:-small default}; do
-      local flags=()
+      local flags=() runner=
       case $s in
         small) flags=(--gpu-memory-utilization 0.1 --kv-cache-gib 8) ;;
         default) ;;
         seqs8) flags=(--engine-args '{"max_num_seqs": 8}') ;;
         noasync) flags=(--engine-args '{"async_scheduling": false}') ;;
+        # vLLM 0.26.0 runs SmolLM2 on its V2 model runner (vllm/config/vllm.py use_v2_model_runner); the V1
+        # runner builds the draft passes' attention metadata with fast_build: host work at 135M
+        v1) runner=0 ;;
         *) echo "unknown spread setting $s" >&2; return 1 ;;
       esac
-      bench "$run" "spread_${s}_$i.json" "spread_parity_${s}_$i.jsonl" --concurrency 1 --k 3 "${flags[@]}" || return 1
+      (if [ -n "$runner" ]; then export VLLM_USE_V2_MODEL_RUNNER=$runner; fi
+       bench "$run" "spread_${s}_$i.json" "spread_parity_${s}_$i.jsonl" --concurrency 1 --k 3 "${flags[@]}") || return 1
     done
   done
 }
