@@ -351,6 +351,7 @@ def test_h200_preset_dry_run_plans_every_stage_on_one_gpu(tmp_path):
     assert "--recipe smollm2-gguf" in block("build_target")  # SmolLM2 built, as in the default
     regenerate, prepare = block("regenerate_responses"), block("prepare_data")
     assert "gpu=1" in regenerate and "--backend vllm" in regenerate and "--max-samples 6000" in regenerate
+    assert "--answers-per-conversation 2 " in regenerate  # measured: two sets beat one (benchmarks/README.md)
     assert "--data package:mtbench" in block("regenerate_eval_prompts") and "--temperature 0 " in block(
         "regenerate_eval_prompts")
     assert "--pretokenized" in prepare and "--eval-data" in prepare and "--max-length 1024" in prepare
