@@ -34,7 +34,8 @@ mkdir -p "$W"
 # vLLM's environment defaults: set by the stages themselves (scripts/eaglepipe/vllm_env.py)
 export HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 PYTHONUNBUFFERED=1
 # RUNS="..." picks runs (e.g. RUNS="regen17-t06-all regen17-t06-all-loops regen17-t06-all-trim
-# regen17-t06-all-x2": the target's loops kept, trimmed, two answer sets per conversation)
+# regen17-t06-all-x2 regen17-t06-all-x4 regen17-t06-all-x2-steps2k": the target's loops kept, trimmed, two or four
+# answer sets per conversation, two sets trained for 2,000 steps)
 RUNS=${RUNS:-"regen17-data regen17-greedy-first regen17-t06-first regen17-t06-all"}
 # SERVING=0: each run stops at its offline estimate on the MT-Bench set as served (within 1.2 % of
 # vLLM's online AL in the sixth session), saving its ~4 min of serving when device time is short
@@ -51,21 +52,33 @@ COMMON=(
   'vllm={"kv_cache_gib": 8}'
   "$BENCHMARK_SERVING"
 )
-regenerate_of() {
+regenerate_of() {  # the whole regenerate mapping of a run: Snakemake merges --config into the preset's
+  # (which answers twice), so a run of one answer set says so
   case $1 in
     regen17-data) echo '{"enabled": false, "backend": "vllm"}' ;;
-    regen17-greedy-first) echo '{"enabled": true, "backend": "vllm", "temperature": 0, "turns": "first"}' ;;
-    regen17-t06-first) echo '{"enabled": true, "backend": "vllm", "temperature": 0.6, "top_p": 0.95, "turns": "first"}' ;;
-    regen17-t06-all) echo '{"enabled": true, "backend": "vllm", "temperature": 0.6, "top_p": 0.95, "turns": "all"}' ;;
+    regen17-greedy-first) echo '{"enabled": true, "backend": "vllm", "temperature": 0, "turns": "first", "answers_per_conversation": 1}' ;;
+    regen17-t06-first) echo '{"enabled": true, "backend": "vllm", "temperature": 0.6, "top_p": 0.95, "turns": "first", "answers_per_conversation": 1}' ;;
+    regen17-t06-all) echo '{"enabled": true, "backend": "vllm", "temperature": 0.6, "top_p": 0.95, "turns": "all", "answers_per_conversation": 1}' ;;
     # the target's loops kept: greedy serving loops too (18 of the 80 MT-Bench answers)
-    regen17-t06-all-loops) echo '{"enabled": true, "backend": "vllm", "temperature": 0.6, "top_p": 0.95, "turns": "all", "on_loop": "keep"}' ;;
+    regen17-t06-all-loops) echo '{"enabled": true, "backend": "vllm", "temperature": 0.6, "top_p": 0.95, "turns": "all", "on_loop": "keep", "answers_per_conversation": 1}' ;;
     # the target's loops trimmed to their longest prefix that is not a loop (the conversation goes on)
-    regen17-t06-all-trim) echo '{"enabled": true, "backend": "vllm", "temperature": 0.6, "top_p": 0.95, "turns": "all", "on_loop": "trim"}' ;;
+    regen17-t06-all-trim) echo '{"enabled": true, "backend": "vllm", "temperature": 0.6, "top_p": 0.95, "turns": "all", "on_loop": "trim", "answers_per_conversation": 1}' ;;
     # two answer sets per conversation: twice the target's text from the same 4,000 prompts
     regen17-t06-all-x2) echo '{"enabled": true, "backend": "vllm", "temperature": 0.6, "top_p": 0.95, "turns": "all", "answers_per_conversation": 2}' ;;
+    # four answer sets: does the target's text keep moving AL (one set 2.175, two 2.296 online)?
+    regen17-t06-all-x4) echo '{"enabled": true, "backend": "vllm", "temperature": 0.6, "top_p": 0.95, "turns": "all", "answers_per_conversation": 4}' ;;
+    # two answer sets trained twice as long (training_of): 3.5 passes over the shards in 1,000 steps
+    regen17-t06-all-x2-steps2k) regenerate_of regen17-t06-all-x2 ;;
     # a looping answer asked again (new seeds) up to twice before it is dropped: its prompt and later turns kept
-    regen17-t06-all-retry2) echo '{"enabled": true, "backend": "vllm", "temperature": 0.6, "top_p": 0.95, "turns": "all", "loop_retries": 2}' ;;
+    regen17-t06-all-retry2) echo '{"enabled": true, "backend": "vllm", "temperature": 0.6, "top_p": 0.95, "turns": "all", "loop_retries": 2, "answers_per_conversation": 1}' ;;
     *) echo "unknown run $1" >&2; return 1 ;;
+  esac
+}
+
+training_of() {  # the run's train mapping over the preset's (1,000 x 8,192 tokens unless it says otherwise)
+  case $1 in
+    *-steps2k) echo '{"max_steps": 2000}' ;;
+    *) echo '{}' ;;
   esac
 }
 
@@ -90,7 +103,7 @@ chain() {  # the target once, then the runs at once
   local pids=()
   for run in $RUNS; do
     python3 -m snakemake --cores 4 --nolock --configfile "$PRESET" --config "run_name=$run" "${COMMON[@]}" \
-      "regenerate=$(regenerate_of "$run")" -- $(for t in "${TARGETS[@]}"; do echo "results/$run/eval/$t.json"; done) \
+      "regenerate=$(regenerate_of "$run")" "train=$(training_of "$run")" -- $(for t in "${TARGETS[@]}"; do echo "results/$run/eval/$t.json"; done) \
       > "$W/$run.log" 2>&1 &
     pids+=($!)
   done
