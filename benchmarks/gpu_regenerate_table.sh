@@ -20,6 +20,8 @@
 #       AL only: beside other jobs its ms/step mean nothing) comes back as far as it got (compare.json).
 #   bash benchmarks/gpu_regenerate_table.sh serve RUN...   detached: benchmark_serving alone on the GPU
 #       for each run's draft (K 2-4, concurrency 1 and 4), one after the other.
+#   bash benchmarks/gpu_regenerate_table.sh _serve_best RUN...   (in THEN) the run with the highest offline AL
+#       as served on the MT-Bench set, served alone: vLLM's defaults, K 3 and 4, concurrency 1.
 #   bash benchmarks/gpu_regenerate_table.sh _spread RUN [REPEATS]   (in THEN, or detached by hand) RUN's draft
 #       served REPEATS rounds (default 2) of one engine per setting in SPREAD (default "small default":
 #       the pipeline's memory settings, vLLM's default; also seqs8, noasync, v1), K=3, concurrency 1:
@@ -128,6 +130,16 @@ serve() {  # serve RUN...: each run's draft alone on the GPU
   done
 }
 
+best_of() {  # best_of RUN...: the run whose offline AL as served (MT-Bench, K=3) is highest; it
+  # was within 2.4 % of vLLM's online AL on every run served (benchmarks/README.md)
+  python3 - "$@" <<'PY'
+import json, sys
+scored = {run: json.load(open(f"results/{run}/eval/offline.json"))["as_served"]["acceptance_length"]
+          for run in sys.argv[1:]}
+print(max(scored, key=scored.get))
+PY
+}
+
 spread() {  # spread RUN [REPEATS]: its draft served (K=3, concurrency 1, 80 prompts) once per setting in
   # SPREAD (default "small default"), REPEATS rounds (default 2), so that the speedup's spread between
   # engines and a setting's effect come apart (benchmarks/serving_spread.py prints them); each file is
@@ -176,6 +188,12 @@ case "${1:-}" in
     exit $rc
     ;;
   _serve) shift; serve "$@" ;;
+  _serve_best)  # (in THEN) the best of the runs served alone, vLLM's defaults, K 3 and 4, concurrency 1
+    shift
+    run=$(best_of "$@") || exit 1
+    echo "best by offline AL as served: $run"
+    bench "$run" "serving_$run.json" "parity_$run.jsonl" --concurrency 1 --k 3,4
+    ;;
   _spread) shift; spread "$@" ;;
   serve)
     shift
