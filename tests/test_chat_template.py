@@ -360,3 +360,34 @@ def test_slow_tokenizer_gives_the_same_samples_with_thinking(family_dirs, monkey
 
     # without offsets, a token straddling the reasoning's end counts as answer
     assert all(0 <= f - s <= 1 for f, s in zip(thinking(fast), thinking(slow))) and min(thinking(slow)) > 0
+
+
+def test_a_conversation_past_model_max_length_is_encoded_without_transformers_indexing_warning(base_dir, monkeypatch):
+    """Stages bound lengths themselves (data.max_length, regeneration's prompt bound); transformers'
+    "will result in indexing errors" warning about model_max_length would alarm over a sequence no
+    model runs."""
+    import logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("transformers")
+    logger.addHandler(handler)
+    try:
+        def warned(run) -> bool:
+            records.clear()
+            tok = tokenizer(base_dir, CHATML)
+            tok.model_max_length = 8
+            run(tok)
+            return any("indexing errors" in r.getMessage() for r in records)
+
+        text = "<|im_start|>user\n" + "many words here " * 20 + "<|im_end|>\n"
+        assert warned(lambda tok: tok.encode(text, add_special_tokens=False))  # what the stages avoid
+        enc = []
+        assert not warned(lambda tok: enc.append(encode(tok, TURNS)))
+        assert len(enc[0].samples[0].input_ids) > 8
+        assert not warned(lambda tok: ChatTemplate(tok).prompt_ids(TURNS[:1]))
+        monkeypatch.setattr(type(tokenizer(base_dir, CHATML)), "is_fast", property(lambda self: False))
+        assert not warned(lambda tok: encode(tok, TURNS))  # the slow tokenizers' path
+    finally:
+        logger.removeHandler(handler)

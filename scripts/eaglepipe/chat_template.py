@@ -115,10 +115,18 @@ class ChatTemplate:
         """Token ids of what the target continues: ``messages`` and the generation prompt. The
         rendering carries the template's own special tokens, so none are added again."""
         text, _ = self.render(messages, tools, add_generation_prompt=True)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return token_ids(self.tokenizer, text)
 
     def count_tokens(self, text: str) -> int:
-        return len(self.tokenizer.encode(text, add_special_tokens=False)) if text else 0
+        return len(token_ids(self.tokenizer, text)) if text else 0
+
+
+def token_ids(tokenizer, text: str) -> list[int]:
+    """``text``'s ids, no special tokens added. Quiet (verbose=False): past the tokenizer's
+    model_max_length transformers warns that running the sequence "will result in indexing errors",
+    but the stages bound lengths themselves (data.max_length, regeneration's prompt bound) and never
+    run such a sequence."""
+    return tokenizer.encode(text, add_special_tokens=False, verbose=False)
 
 
 def turn_text(message: dict) -> str:
@@ -165,7 +173,7 @@ def _locate(template: ChatTemplate, messages, tools, i, untrained_tokens) -> _Lo
 def _token_parts(tokenizer, text: str, spans: list[tuple[int, int, int]]) -> tuple[list[int], list[int]]:
     """Token ids of ``text`` and, per token, the part index of the span it overlaps (-1: none)."""
     if tokenizer.is_fast:
-        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)  # see token_ids
         owner = [-1] * (len(text) + 1)
         for s, e, part in spans:
             owner[s:e] = [part] * (e - s)
@@ -183,17 +191,17 @@ def _token_parts(tokenizer, text: str, spans: list[tuple[int, int, int]]) -> tup
             turns.append([s, e, [(s, e, part)]])
     ids, parts, pos = [], [], 0
     for s, e, inner in turns + [[len(text), len(text), []]]:
-        gap = tokenizer.encode(text[pos:s], add_special_tokens=False) if s > pos else []
-        piece = tokenizer.encode(text[s:e], add_special_tokens=False) if e > s else []
+        gap = token_ids(tokenizer, text[pos:s]) if s > pos else []
+        piece = token_ids(tokenizer, text[s:e]) if e > s else []
         labels = []
         for a, b, part in inner[:-1]:
-            sub = tokenizer.encode(text[a:b], add_special_tokens=False)
+            sub = token_ids(tokenizer, text[a:b])
             labels += [part] * (len(sub) - (sub != piece[len(labels): len(labels) + len(sub)]))
         labels += [inner[-1][2]] * (len(piece) - len(labels)) if inner else []
         ids += gap + piece
         parts += [-1] * len(gap) + labels
         pos = e
-    if ids != tokenizer.encode(text, add_special_tokens=False):
+    if ids != token_ids(tokenizer, text):
         raise TemplateSkip("tokens_cross_turn_edges",
                            "the tokenizer merges text across an assistant turn edge, so the mask is ambiguous")
     return ids, parts
