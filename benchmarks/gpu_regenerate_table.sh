@@ -155,8 +155,8 @@ spread() {  # spread RUN [REPEATS]: its draft served (K=3, concurrency 1, 80 pro
         default) ;;
         seqs8) flags=(--engine-args '{"max_num_seqs": 8}') ;;
         noasync) flags=(--engine-args '{"async_scheduling": false}') ;;
-        # vLLM 0.26.0 runs SmolLM2 on its V2 model runner (vllm/config/vllm.py use_v2_model_runner); the V1
-        # runner builds the draft passes' attention metadata with fast_build: host work at 135M
+        # vLLM 0.26.0 runs SmolLM2 on its V2 model runner (vllm/config/vllm.py use_v2_model_runner); on the
+        # V1 runner the same draft gave 0.68x against 1.30x (H100, benchmarks/README.md)
         v1) runner=0 ;;
         *) echo "unknown spread setting $s" >&2; return 1 ;;
       esac
