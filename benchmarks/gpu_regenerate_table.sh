@@ -67,7 +67,7 @@ regenerate_of() {  # the whole regenerate mapping of a run: Snakemake merges --c
     regen17-t06-all-trim) echo '{"enabled": true, "backend": "vllm", "temperature": 0.6, "top_p": 0.95, "turns": "all", "on_loop": "trim", "answers_per_conversation": 1}' ;;
     # two answer sets per conversation: twice the target's text from the same 4,000 prompts
     regen17-t06-all-x2) echo '{"enabled": true, "backend": "vllm", "temperature": 0.6, "top_p": 0.95, "turns": "all", "answers_per_conversation": 2}' ;;
-    # four answer sets: does the target's text keep moving AL (one set 2.175, two 2.296 online)?
+    # four answer sets: does more of the target's text keep moving AL, as two sets did over one?
     regen17-t06-all-x4) echo '{"enabled": true, "backend": "vllm", "temperature": 0.6, "top_p": 0.95, "turns": "all", "answers_per_conversation": 4}' ;;
     # two answer sets trained twice as long (training_of): 3.5 passes over the shards in 1,000 steps
     regen17-t06-all-x2-steps2k) regenerate_of regen17-t06-all-x2 ;;
@@ -156,7 +156,7 @@ spread() {  # spread RUN [REPEATS]: its draft served (K=3, concurrency 1, 80 pro
         seqs8) flags=(--engine-args '{"max_num_seqs": 8}') ;;
         noasync) flags=(--engine-args '{"async_scheduling": false}') ;;
         # vLLM 0.26.0 runs SmolLM2 on its V2 model runner (vllm/config/vllm.py use_v2_model_runner); on the
-        # V1 runner the same draft gave 0.68x against 1.30x (H100, benchmarks/README.md)
+        # V1 runner the same draft served at half the speedup (benchmarks/README.md)
         v1) runner=0 ;;
         *) echo "unknown spread setting $s" >&2; return 1 ;;
       esac
