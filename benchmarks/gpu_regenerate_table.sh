@@ -36,8 +36,9 @@ mkdir -p "$W"
 # vLLM's environment defaults: set by the stages themselves (scripts/eaglepipe/vllm_env.py)
 export HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 PYTHONUNBUFFERED=1
 # RUNS="..." picks runs (e.g. RUNS="regen17-t06-all regen17-t06-all-loops regen17-t06-all-trim
-# regen17-t06-all-x2 regen17-t06-all-x4 regen17-t06-all-x2-steps2k": the target's loops kept, trimmed, two or four
-# answer sets per conversation, two sets trained for 2,000 steps)
+# regen17-t06-all-x2 regen17-t06-all-x4 regen17-t06-all-x2-steps2k regen17-t06-all-x4-l2-steps2k": the target's
+# loops kept, trimmed, two or four answer sets per conversation, two sets trained for 2,000 steps, four sets
+# for a two-layer draft trained for 2,000 steps; the same with one layer: regen17-t06-all-x4-steps2k)
 RUNS=${RUNS:-"regen17-data regen17-greedy-first regen17-t06-first regen17-t06-all"}
 # SERVING=0: each run stops at its offline estimate on the MT-Bench set as served (within 1.2 % of
 # vLLM's online AL in the sixth session), saving its ~4 min of serving when device time is short
@@ -55,7 +56,11 @@ COMMON=(
   "$BENCHMARK_SERVING"
 )
 regenerate_of() {  # the whole regenerate mapping of a run: Snakemake merges --config into the preset's
-  # (which answers twice), so a run of one answer set says so
+  # (which answers twice), so a run of one answer set says so; suffixes that change only the draft or
+  # its training (-l2, -steps2k: draft_of, training_of) regenerate as the run they extend
+  local base=${1%-steps2k}
+  base=${base%-l2}
+  [ "$base" != "$1" ] && { regenerate_of "$base"; return; }
   case $1 in
     regen17-data) echo '{"enabled": false, "backend": "vllm"}' ;;
     regen17-greedy-first) echo '{"enabled": true, "backend": "vllm", "temperature": 0, "turns": "first", "answers_per_conversation": 1}' ;;
@@ -69,17 +74,23 @@ regenerate_of() {  # the whole regenerate mapping of a run: Snakemake merges --c
     regen17-t06-all-x2) echo '{"enabled": true, "backend": "vllm", "temperature": 0.6, "top_p": 0.95, "turns": "all", "answers_per_conversation": 2}' ;;
     # four answer sets: does more of the target's text keep moving AL, as two sets did over one?
     regen17-t06-all-x4) echo '{"enabled": true, "backend": "vllm", "temperature": 0.6, "top_p": 0.95, "turns": "all", "answers_per_conversation": 4}' ;;
-    # two answer sets trained twice as long (training_of): 3.5 passes over the shards in 1,000 steps
-    regen17-t06-all-x2-steps2k) regenerate_of regen17-t06-all-x2 ;;
     # a looping answer asked again (new seeds) up to twice before it is dropped: its prompt and later turns kept
     regen17-t06-all-retry2) echo '{"enabled": true, "backend": "vllm", "temperature": 0.6, "top_p": 0.95, "turns": "all", "loop_retries": 2, "answers_per_conversation": 1}' ;;
     *) echo "unknown run $1" >&2; return 1 ;;
   esac
 }
 
-training_of() {  # the run's train mapping over the preset's (1,000 x 8,192 tokens unless it says otherwise)
+training_of() {  # the run's train mapping over the preset's (1,000 x 8,192 tokens unless it says otherwise):
+  # -steps2k trains twice as long (two answer sets made 3.5 passes over their shards in 1,000 steps)
   case $1 in
     *-steps2k) echo '{"max_steps": 2000}' ;;
+    *) echo '{}' ;;
+  esac
+}
+
+draft_of() {  # the run's draft mapping over the preset's: -l2 (before any -steps2k) two decoder layers
+  case ${1%-steps2k} in
+    *-l2) echo '{"layers": 2}' ;;
     *) echo '{}' ;;
   esac
 }
@@ -105,7 +116,7 @@ chain() {  # the target once, then the runs at once
   local pids=()
   for run in $RUNS; do
     python3 -m snakemake --cores 4 --nolock --configfile "$PRESET" --config "run_name=$run" "${COMMON[@]}" \
-      "regenerate=$(regenerate_of "$run")" "train=$(training_of "$run")" -- $(for t in "${TARGETS[@]}"; do echo "results/$run/eval/$t.json"; done) \
+      "regenerate=$(regenerate_of "$run")" "train=$(training_of "$run")" "draft=$(draft_of "$run")" -- $(for t in "${TARGETS[@]}"; do echo "results/$run/eval/$t.json"; done) \
       > "$W/$run.log" 2>&1 &
     pids+=($!)
   done

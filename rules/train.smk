@@ -42,7 +42,7 @@ rule train_draft:
         seed=config["train"]["seed"],
         buckets=config["evaluate"]["context_buckets"],
         select_by=config["evaluate"]["select_by"],
-        draft=f"--draft-architecture {config['draft']['architecture']}"
+        draft=f"--draft-architecture {config['draft']['architecture']} --draft-layers {config['draft']['layers']}"
         + (
             f" --draft-mlp-width {config['draft']['mlp_width']}"
             if config["draft"]["mlp_width"]

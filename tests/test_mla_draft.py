@@ -85,6 +85,13 @@ def test_mla_on_a_non_mla_target_is_a_clear_error(tiny_llama, run):
         build_draft(tiny_llama, [1, 3, 5], run["vocab"], ttt_steps=3, architecture="mla")
 
 
+def test_mla_draft_of_more_than_one_layer_is_a_clear_error(dsv3, run):
+    with pytest.raises(SystemExit, match="the MLA draft has 1 decoder layer .* use draft.layers 1 or draft.architecture llama"):
+        build_draft(dsv3, [1, 3, 5], run["vocab"], ttt_steps=3, num_layers=2)
+    two = build_draft(dsv3, [1, 3, 5], run["vocab"], ttt_steps=3, architecture="llama", num_layers=2, mlp_width=40)
+    assert two.config.transformer_layer_config.num_hidden_layers == 2 and len(two.layers) == 2
+
+
 def test_yarn_factor_one_is_the_plain_rotation(dsv3):
     """An unscaled target's draft is a factor-1 YaRN layer (what vLLM serves it as): same rotation."""
     from transformers import DeepseekV3Config
@@ -421,7 +428,7 @@ def test_snakemake_run_on_a_deepseek_v3_target_delivers_an_mla_draft(tmp_path):
     assert "served by vLLM as `Eagle3DeepseekV3ForCausalLM`" in card and "1 x deepseek_v3 layer" in card
     assert '"method": "eagle3", "num_speculative_tokens": 3' in card and "vllm serve tiny/dsv3" in card
     train_log = (run / "logs" / "train_draft.log").read_text()
-    assert "draft architecture mla (auto requested): deepseek_v3 decoder layer" in train_log
+    assert "draft architecture mla (auto requested): 1 x deepseek_v3 decoder layer" in train_log
     assert json.loads((run / "eval" / "offline.json").read_text())["acceptance_length"] >= 1.0
 
 

@@ -112,6 +112,33 @@ def test_cli_outputs_and_summary(run, tmp_path):
     assert torch.equal(reloaded.fc.weight, weights(out, 6)["fc.weight"])
 
 
+def test_a_two_layer_draft_trains_every_layer_exports_and_reloads(run, tmp_path):
+    """draft.layers 2: the first layer reads embedding + fused states (2 x hidden), the second the
+    hidden states alone, as vLLM 0.26.0's Eagle3LlamaForCausalLM builds them; both train; the export
+    is checked and reloads as the same two layers."""
+    from eaglepipe import export_draft
+    from eaglepipe.draft_model import load_draft
+
+    out = tmp_path / "train"
+    train_draft.main(argv(run, out, draft_layers=2, max_steps=4))
+    hidden = json.loads((run["model"] / "config.json").read_text())["hidden_size"]
+    early, late = weights(out, 2), weights(out, 4)
+    assert early["layers.0.self_attn.q_proj.weight"].shape[1] == 2 * hidden
+    assert early["layers.1.self_attn.q_proj.weight"].shape[1] == hidden
+    for name in ("layers.0.self_attn.q_proj.weight", "layers.1.self_attn.q_proj.weight", "layers.1.mlp.down_proj.weight"):
+        assert not torch.equal(early[name], late[name]), name
+    assert not any(k.startswith("layers.2.") for k in late)
+    draft = tmp_path / "draft"
+    export_draft.export_draft(str(out / "summary.json"), "last", "org/tiny", 3, True, str(draft))
+    served = json.loads((draft / "config.json").read_text())["transformer_layer_config"]
+    assert served["num_hidden_layers"] == 2 and served["layer_types"] == ["full_attention"] * 2
+    reloaded = load_draft(draft, run["model"])
+    assert len(reloaded.layers) == 2
+    assert torch.equal(reloaded.layers[1].mlp.down_proj.weight, late["layers.1.mlp.down_proj.weight"].to(torch.bfloat16).float())
+    with pytest.raises(SystemExit):
+        train_draft.parse_args(argv(run, tmp_path, draft_layers=0))
+
+
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_resume_after_kill_gives_identical_weights(run, tmp_path, caplog, optimizer):
     straight = tmp_path / "straight"

@@ -100,7 +100,7 @@ def test_nothing_to_do_after_a_full_run(done_run):
 
 def test_training_setting_reruns_training_and_what_follows_only(done_run):
     for setting in ('train={"lr": 0.002}', 'train={"optimizer": "muon", "muon_weight_decay": 0.05}',
-                    'train={"lm_head": "trained"}'):
+                    'train={"lm_head": "trained"}', 'draft={"layers": 2}'):
         jobs, reasons, _ = dry_run(done_run, "--config", setting)
         assert set(jobs) == {"train_draft", "export_draft", "evaluate_offline", "model_card", "plot_report", "all"}
         assert "train_draft" in reasons["params have changed since last execution"]

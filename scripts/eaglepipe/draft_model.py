@@ -22,7 +22,6 @@ log = logging.getLogger("eaglepipe.draft_model")
 # The one place the norm flags are chosen. vLLM 0.26.0 honours all four (algos.py update_eagle3 and
 # llama_eagle3.py, read from its wheel), so speculators 0.9.0's eagle3 defaults train what vLLM serves.
 NORM_FLAGS = {"norm_before_residual": True, "norm_before_fc": True, "fc_norm": False, "norm_output": True}
-NUM_DRAFT_LAYERS = mla_draft.NUM_DRAFT_LAYERS  # one layer, whichever architecture
 ARCHITECTURES = ("auto", "llama", "mla")
 
 # The loss implementation every stage passes to speculators' resolve_loss_config. speculators'
@@ -82,8 +81,13 @@ def resolve_architecture(architecture: str, target_config) -> str:
     return architecture
 
 
-def draft_layer_config(target: str | Path, trust_remote_code: bool = False, mlp_width: int | None = None):
-    """Llama decoder config for the 1-layer draft, full attention (no sliding window).
+def draft_layer_config(target: str | Path, trust_remote_code: bool = False, mlp_width: int | None = None,
+                       num_layers: int = 1):
+    """Llama decoder config of the draft's ``num_layers`` layers, full attention (no sliding window).
+
+    The first layer takes the token embedding beside the fused states (2 x hidden), the others are
+    plain Llama layers: speculators' Eagle3DraftModel and vLLM 0.26.0's Eagle3LlamaForCausalLM
+    (llama_eagle3.py, qkv_input_size by layer_idx) build the same stack.
 
     Speculators derives it from the target. For MLA targets (DeepseekV3 / Kimi) its head_dim
     aliases qk_rope_head_dim (64, a rope detail, not a head width), so we set head_dim =
@@ -94,8 +98,8 @@ def draft_layer_config(target: str | Path, trust_remote_code: bool = False, mlp_
     from speculators.train.cli import create_transformer_layer_config
 
     cfg = create_transformer_layer_config(
-        str(target), num_layers=NUM_DRAFT_LAYERS, draft_arch="llama", hidden_act=None,
-        sliding_window=None, full_attention_indices=list(range(NUM_DRAFT_LAYERS)),
+        str(target), num_layers=num_layers, draft_arch="llama", hidden_act=None,
+        sliding_window=None, full_attention_indices=list(range(num_layers)),
         trust_remote_code=trust_remote_code,
     )
     tcfg = target_text_config(target, trust_remote_code)
@@ -113,7 +117,7 @@ def draft_layer_config(target: str | Path, trust_remote_code: bool = False, mlp_
     cfg.rope_parameters = servable_rope(cfg.rope_parameters)
     cfg.sliding_window = None
     cfg.use_sliding_window = False
-    cfg.layer_types = ["full_attention"] * NUM_DRAFT_LAYERS
+    cfg.layer_types = ["full_attention"] * num_layers
     return cfg
 
 
@@ -136,11 +140,12 @@ def load_vocab_mapping(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
 
 def build_draft(target: str | Path, aux_layer_ids: list[int], vocab_mapping: str | Path, ttt_steps: int,
                 device: torch.device | str = "cpu", trust_remote_code: bool = False, architecture: str = "auto",
-                mlp_width: int | None = None):
+                mlp_width: int | None = None, num_layers: int = 1):
     """A fresh draft for ``target``: aux ids from the manifest, draft vocab from the mapping.
 
     ``architecture`` (auto/llama/mla, see resolve_architecture) picks the decoder layer;
-    ``mlp_width`` its dense MLP width (None: the target's intermediate_size).
+    ``mlp_width`` its dense MLP width (None: the target's intermediate_size); ``num_layers`` how many
+    decoder layers (Llama only: vLLM widens only layer 0 of an MLA draft, mla_draft.check_servable).
     Embeddings, the draft lm_head (target lm_head rows of t2d) and the verifier's final norm are
     loaded from the target's safetensors by speculators (frozen); fc and the decoder layer train.
     """
@@ -149,13 +154,18 @@ def build_draft(target: str | Path, aux_layer_ids: list[int], vocab_mapping: str
     try:
         resolved = resolve_architecture(architecture, tcfg)
         if resolved == "mla":
+            if num_layers != mla_draft.NUM_DRAFT_LAYERS:
+                raise ValueError(f"the MLA draft has {mla_draft.NUM_DRAFT_LAYERS} decoder layer (vLLM 0.26.0 widens "
+                                 f"only layer 0 to 2 x hidden), not {num_layers}; use draft.layers 1 or "
+                                 "draft.architecture llama")
             layer_cfg, norm_flags = mla_draft.layer_config(tcfg, mlp_width), mla_draft.NORM_FLAGS
         else:
-            layer_cfg, norm_flags = draft_layer_config(target, trust_remote_code, mlp_width), NORM_FLAGS
+            layer_cfg = draft_layer_config(target, trust_remote_code, mlp_width, num_layers)
+            norm_flags = NORM_FLAGS
     except ValueError as e:
         raise SystemExit(f"target {target}: {e}") from e
-    log.info("draft architecture %s (%s requested): %s decoder layer, MLP width %d", resolved, architecture,
-             layer_cfg.model_type, layer_cfg.intermediate_size)
+    log.info("draft architecture %s (%s requested): %d x %s decoder layer, MLP width %d", resolved, architecture,
+             layer_cfg.num_hidden_layers, layer_cfg.model_type, layer_cfg.intermediate_size)
     if t2d.numel() != layer_cfg.vocab_size:
         raise SystemExit(f"vocab mapping {vocab_mapping}: t2d covers {t2d.numel()} tokens but target "
                          f"{target} has vocab_size {layer_cfg.vocab_size}")

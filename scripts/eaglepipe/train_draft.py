@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-architecture", default="auto", choices=ARCHITECTURES,
                    help="decoder layer: mla for MLA targets under auto, else llama (draft_model.resolve_architecture)")
     p.add_argument("--draft-mlp-width", type=int, default=None, help="dense MLP width (default: the target's)")
+    p.add_argument("--draft-layers", type=int, default=1,
+                   help="decoder layers of the draft (EAGLE-3's is 1; more only for the llama architecture)")
     p.add_argument("--lm-head", default=FROZEN, choices=LM_HEADS,
                    help=f"the draft's lm_head (the target's rows of the draft vocabulary to start with): {FROZEN}, as "
                         f"speculators keeps it, or {TRAINED} (by AdamW under either optimizer), as EAGLE-3's and "
@@ -89,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv=None) -> argparse.Namespace:
     p = build_parser()
     args = p.parse_args(argv)
-    for name in ("ttt_steps", "max_steps", "batch_tokens", "eval_every", "checkpoint_every"):
+    for name in ("ttt_steps", "max_steps", "batch_tokens", "eval_every", "checkpoint_every", "draft_layers"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
     if args.draft_mlp_width is not None and args.draft_mlp_width < 1:
@@ -119,7 +121,7 @@ def new_draft(args, aux_ids: list[int], device):
     from .draft_model import build_draft
 
     model = build_draft(args.model, aux_ids, args.vocab, args.ttt_steps, device, args.trust_remote_code,
-                        args.draft_architecture, args.draft_mlp_width)
+                        args.draft_architecture, args.draft_mlp_width, args.draft_layers)
     model.lm_head.weight.requires_grad_(args.lm_head == TRAINED)
     return model
 
