@@ -142,11 +142,20 @@ serve() {  # serve RUN...: each run's draft alone on the GPU
 }
 
 best_of() {  # best_of RUN...: the run whose offline AL as served (MT-Bench, K=3) is highest; it
-  # was within 2.4 % of vLLM's online AL on every run served (benchmarks/README.md)
+  # was within 2.4 % of vLLM's online AL on every run served (benchmarks/README.md). A run without its
+  # offline estimate (failed, or stopped to save device time) is left out, said on stderr, so the
+  # others are still served (a missing one cost the fifteenth session its serving figure)
   python3 - "$@" <<'PY'
-import json, sys
-scored = {run: json.load(open(f"results/{run}/eval/offline.json"))["as_served"]["acceptance_length"]
-          for run in sys.argv[1:]}
+import json, os, sys
+scored = {}
+for run in sys.argv[1:]:
+    path = f"results/{run}/eval/offline.json"
+    if os.path.isfile(path):
+        scored[run] = json.load(open(path))["as_served"]["acceptance_length"]
+    else:
+        print(f"best_of: {run} left out: no {path}", file=sys.stderr)
+if not scored:
+    sys.exit("best_of: no run has its offline estimate")
 print(max(scored, key=scored.get))
 PY
 }
