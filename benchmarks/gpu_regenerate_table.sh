@@ -2,9 +2,10 @@
 # Issue 17 on one lent H200: drafts trained on the data's answers vs the target's own
 # (regenerate_responses), all evaluated on the fixed MT-Bench set (evaluate.prompts), SmolLM2-135M,
 # 4,000 ShareGPT conversations, the single-GPU preset's training budget (1,000 x 8,192 tokens).
-# Four runs of the pipeline at once on the one GPU (each vLLM engine takes 10 % of its memory; the
-# small target leaves the GPU mostly idle), then the serving speedup of chosen drafts with the GPU
-# to themselves, since a speedup measured beside other jobs means nothing (AL does not depend on it).
+# The runs of the pipeline at once on the one GPU (each vLLM engine takes 10 % of its memory), then
+# the serving speedup of chosen drafts with the GPU to themselves, since a speedup measured beside
+# other jobs means nothing (AL does not depend on it). Runs at once save little device time:
+# regeneration was no faster side by side than alone (benchmarks/README.md, fifteenth session).
 #
 #   bash benchmarks/gpu_regenerate_table.sh start [--no-setup]   after gpu_pipeline.sh's wheel parts
 #       are in /tmp/stage: setup, the target, then the four runs detached (results/regen-table/*.log);
