@@ -147,7 +147,7 @@ def build_draft(target: str | Path, aux_layer_ids: list[int], vocab_mapping: str
     ``mlp_width`` its dense MLP width (None: the target's intermediate_size); ``num_layers`` how many
     decoder layers (Llama only: vLLM widens only layer 0 of an MLA draft, mla_draft.check_servable).
     Embeddings, the draft lm_head (target lm_head rows of t2d) and the verifier's final norm are
-    loaded from the target's safetensors by speculators (frozen); fc and the decoder layer train.
+    loaded from the target's safetensors by speculators (frozen); fc and the decoder layers train.
     """
     d2t, t2d = load_vocab_mapping(vocab_mapping)
     tcfg = target_text_config(target, trust_remote_code)
