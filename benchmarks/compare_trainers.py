@@ -142,16 +142,18 @@ def speculators_argv(args, manifest: dict, data: Path, conv: dict, epochs: int, 
     """``speculators train`` flags for the draft our trainer builds (draft_model.NORM_FLAGS included).
     ``lr`` None: speculators' own optimizer, learning rate, weight decay and schedule (what a user of
     ``speculators train`` gets without those flags), not ours."""
-    from eaglepipe.draft_model import NORM_FLAGS, NUM_DRAFT_LAYERS
+    from eaglepipe.draft_model import NORM_FLAGS
     from eaglepipe.layers import aux_layer_ids
+    from eaglepipe.train_draft import build_parser
 
     aux = [str(int(i)) for i in aux_layer_ids(manifest["layer_ids"])]
+    layers = build_parser().get_default("draft_layers")  # what ours trains here: no --draft-layers is given
     work = Path(args.work) / name
     argv = [
         "--verifier-name-or-path", str(args.model), "--speculator-type", "eagle3",
         "--data-path", str(data), "--hidden-states-backend", "file", "--on-missing", "raise",
-        "--num-layers", str(NUM_DRAFT_LAYERS), "--draft-arch", "llama",
-        "--full-attention-indices", *[str(i) for i in range(NUM_DRAFT_LAYERS)],
+        "--num-layers", str(layers), "--draft-arch", "llama",
+        "--full-attention-indices", *[str(i) for i in range(layers)],
         "--target-layer-ids", *aux,
         "--d2t-path", str(data / "d2t.npy"), "--t2d-path", str(data / "t2d.npy"),
         "--draft-vocab-size", str(conv["draft_vocab_size"]),
