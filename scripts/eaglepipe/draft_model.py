@@ -145,7 +145,7 @@ def build_draft(target: str | Path, aux_layer_ids: list[int], vocab_mapping: str
 
     ``architecture`` (auto/llama/mla, see resolve_architecture) picks the decoder layer;
     ``mlp_width`` its dense MLP width (None: the target's intermediate_size); ``num_layers`` how many
-    decoder layers (Llama only: vLLM widens only layer 0 of an MLA draft, mla_draft.check_servable).
+    decoder layers (Llama only: mla_draft.layer_config refuses more).
     Embeddings, the draft lm_head (target lm_head rows of t2d) and the verifier's final norm are
     loaded from the target's safetensors by speculators (frozen); fc and the decoder layers train.
     """
@@ -154,14 +154,9 @@ def build_draft(target: str | Path, aux_layer_ids: list[int], vocab_mapping: str
     try:
         resolved = resolve_architecture(architecture, tcfg)
         if resolved == "mla":
-            if num_layers != mla_draft.NUM_DRAFT_LAYERS:
-                raise ValueError(f"the MLA draft has {mla_draft.NUM_DRAFT_LAYERS} decoder layer (vLLM 0.26.0 widens "
-                                 f"only layer 0 to 2 x hidden), not {num_layers}; use draft.layers 1 or "
-                                 "draft.architecture llama")
-            layer_cfg, norm_flags = mla_draft.layer_config(tcfg, mlp_width), mla_draft.NORM_FLAGS
+            layer_cfg, norm_flags = mla_draft.layer_config(tcfg, mlp_width, num_layers), mla_draft.NORM_FLAGS
         else:
-            layer_cfg = draft_layer_config(target, trust_remote_code, mlp_width, num_layers)
-            norm_flags = NORM_FLAGS
+            layer_cfg, norm_flags = draft_layer_config(target, trust_remote_code, mlp_width, num_layers), NORM_FLAGS
     except ValueError as e:
         raise SystemExit(f"target {target}: {e}") from e
     log.info("draft architecture %s (%s requested): %d x %s decoder layer, MLP width %d", resolved, architecture,

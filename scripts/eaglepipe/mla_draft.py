@@ -74,13 +74,17 @@ def draft_rope(tcfg) -> dict:
             "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0}
 
 
-def layer_config(tcfg, mlp_width: int | None = None):
+def layer_config(tcfg, mlp_width: int | None = None, num_layers: int = NUM_DRAFT_LAYERS):
     """DeepseekV3 config of the one-layer draft: the target's MLA shapes, a dense MLP.
 
     ``mlp_width`` None keeps the target's dense FFN width (intermediate_size: 18432 for Kimi).
+    ``num_layers`` (draft.layers) other than one is refused: vLLM serves a one-layer MLA draft.
     """
     from transformers import DeepseekV3Config
 
+    if num_layers != NUM_DRAFT_LAYERS:
+        raise ValueError(f"the MLA draft has {NUM_DRAFT_LAYERS} decoder layer (vLLM 0.26.0 widens only layer 0 "
+                         f"to 2 x hidden), not {num_layers}; use draft.layers 1 or draft.architecture llama")
     width = mlp_width or tcfg.intermediate_size
     return DeepseekV3Config(
         vocab_size=tcfg.vocab_size, hidden_size=tcfg.hidden_size, intermediate_size=width,
