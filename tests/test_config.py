@@ -249,3 +249,32 @@ def test_muon_weight_decay_needs_the_muon_optimizer():
                       "it sets the Muon group (optimizer muon)"]
     cfg["train"]["optimizer"] = "muon"
     assert config_errors(cfg, load_schema(SCHEMA)) == []
+
+
+def test_an_mla_draft_of_more_than_one_layer_is_refused_before_any_stage(tmp_path):
+    explicit = demo()
+    explicit["draft"] = {"architecture": "mla", "layers": 2}
+    assert config_errors(explicit, load_schema(SCHEMA)) == [
+        "config key draft.layers = 2 is not allowed with draft.architecture 'mla': the MLA draft has 1 decoder "
+        "layer (vLLM 0.26.0 widens only layer 0 to 2 x hidden), not 2; use draft.layers 1 or draft.architecture llama"]
+    # under auto the architecture follows the target, known from its config before any stage
+    cfg, model = local_target(tmp_path, deploy_name="a/b")
+    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 6, "kv_lora_rank": 16}))
+    cfg["draft"] = {"layers": 2}
+    (error,) = checked(cfg)
+    assert error.startswith(f"config key draft.layers = 2 does not fit the target ({model / 'config.json'}: MLA, "
+                            f"so draft.architecture auto is mla): the MLA draft has 1 decoder layer")
+    cfg["draft"] = {"layers": 2, "architecture": "llama"}
+    assert checked(cfg) == []
+    cfg["draft"] = {"layers": 1}
+    assert checked(cfg) == []
+
+
+def test_an_mla_draft_for_a_target_without_mla_is_refused_before_any_stage(tmp_path):
+    cfg, model = local_target(tmp_path, deploy_name="a/b")
+    cfg["draft"] = {"architecture": "mla"}
+    (error,) = checked(cfg)
+    assert error == (f"config key draft.architecture = 'mla' does not fit the target ({model / 'config.json'}): "
+                     f"draft architecture 'mla' needs an MLA target (kv_lora_rank in its config); use 'llama' or 'auto'")
+    cfg["draft"] = {"architecture": "auto", "layers": 3}
+    assert checked(cfg) == []

@@ -22,7 +22,8 @@ from test_packed_data import make_run
 from test_train_draft import argv, metrics_rows, weights
 
 from eaglepipe import evaluate, export_draft, mla_draft, train_draft
-from eaglepipe.draft_model import build_draft, load_draft, resolve_architecture, target_text_config
+from eaglepipe.draft_model import build_draft, load_draft, target_text_config
+from eaglepipe.serving_limits import resolve_architecture
 
 MLA_SHAPE_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                   "num_attention_heads", "hidden_size", "vocab_size")

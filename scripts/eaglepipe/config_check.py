@@ -14,7 +14,7 @@ import jsonschema
 import yaml
 
 from .layers import aux_layer_ids, default_layer_ids, validate_layer_ids
-from .serving_limits import AUX_STATES, aux_count_error, rope_error, servable_rope
+from .serving_limits import AUX_STATES, aux_count_error, mla_layers_error, resolve_architecture, rope_error, servable_rope
 from .serving_sweep import engine_args_errors
 
 # target.build recipe -> the one directory it builds (rules/data.smk's build_target writes only there).
@@ -123,6 +123,11 @@ def config_errors(config: dict, schema: dict) -> list[str]:
     engine_args = (config.get("benchmark_serving") or {}).get("engine_args")
     if isinstance(engine_args, dict):
         out += [f"config key {e}" for e in engine_args_errors(engine_args)]
+    draft = config.get("draft") or {}
+    layers = draft.get("layers")
+    if draft.get("architecture") == "mla" and isinstance(layers, int) and mla_layers_error(layers):
+        out.append(f"config key draft.layers = {layers!r} is not allowed with draft.architecture 'mla': "
+                   f"{mla_layers_error(layers)}")
     ids = (config.get("extract") or {}).get("layer_ids")
     if isinstance(ids, list) and all(isinstance(i, int) for i in ids) and ids != sorted(set(ids)):
         out.append(f"config key extract.layer_ids = {ids} is not allowed: it must be strictly "
@@ -221,11 +226,26 @@ def target_errors(config: dict) -> list[str]:
         except ValueError as e:
             out.append(f"config key extract.layer_ids = {ids!r} does not fit the target ({where}: "
                        f"num_hidden_layers {n}): {e}")
+        out += draft_errors(config["draft"], cfg, where)
         rope = draft_rope_error(cfg)
         if rope:
             out.append(f"config key target.model = {model!r} cannot get a draft vLLM serves as trained: the draft "
                        f"takes the target's rope ({where}): {rope}")
     return out
+
+
+def draft_errors(draft: dict, target_cfg: dict, where: str) -> list[str]:
+    """The draft's architecture and layer count against the target's config (read from ``where``);
+    an explicit mla of more than one layer is config_errors' (it needs no target)."""
+    try:
+        resolved = resolve_architecture(draft["architecture"], target_cfg)
+    except ValueError as e:
+        return [f"config key draft.architecture = {draft['architecture']!r} does not fit the target ({where}): {e}"]
+    refused = mla_layers_error(draft["layers"]) if resolved == "mla" and draft["architecture"] == "auto" else None
+    if refused:
+        return [f"config key draft.layers = {draft['layers']!r} does not fit the target ({where}: MLA, so "
+                f"draft.architecture auto is mla): {refused}"]
+    return []
 
 
 def draft_rope_error(target_cfg: dict) -> str | None:

@@ -15,14 +15,13 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from . import mla_draft
-from .serving_limits import servable_rope
+from .serving_limits import is_mla_target, resolve_architecture, servable_rope
 
 log = logging.getLogger("eaglepipe.draft_model")
 
 # The one place the norm flags are chosen. vLLM 0.26.0 honours all four (algos.py update_eagle3 and
 # llama_eagle3.py, read from its wheel), so speculators 0.9.0's eagle3 defaults train what vLLM serves.
 NORM_FLAGS = {"norm_before_residual": True, "norm_before_fc": True, "fc_norm": False, "norm_output": True}
-ARCHITECTURES = ("auto", "llama", "mla")
 
 # The loss implementation every stage passes to speculators' resolve_loss_config. speculators'
 # fused (triton) losses need CUDA, and on the H200 (torch 2.11) torch.compile's trace of the
@@ -69,18 +68,6 @@ def target_text_config(target: str | Path, trust_remote_code: bool = False):
     return AutoConfig.from_pretrained(str(target), trust_remote_code=trust_remote_code).get_text_config()
 
 
-def resolve_architecture(architecture: str, target_config) -> str:
-    """``auto`` -> ``mla`` for MLA targets (DeepseekV3 / Kimi), ``llama`` otherwise."""
-    if architecture not in ARCHITECTURES:
-        raise ValueError(f"draft architecture {architecture!r}: allowed {list(ARCHITECTURES)}")
-    if architecture == "auto":
-        return "mla" if mla_draft.is_mla_target(target_config) else "llama"
-    if architecture == "mla" and not mla_draft.is_mla_target(target_config):
-        raise ValueError("draft architecture 'mla' needs an MLA target (kv_lora_rank in its config); "
-                         "use 'llama' or 'auto'")
-    return architecture
-
-
 def draft_layer_config(target: str | Path, trust_remote_code: bool = False, mlp_width: int | None = None,
                        num_layers: int = 1):
     """Llama decoder config of the draft's ``num_layers`` layers, full attention (no sliding window).
@@ -103,7 +90,7 @@ def draft_layer_config(target: str | Path, trust_remote_code: bool = False, mlp_
         trust_remote_code=trust_remote_code,
     )
     tcfg = target_text_config(target, trust_remote_code)
-    if mla_draft.is_mla_target(tcfg):
+    if is_mla_target(tcfg):
         if tcfg.hidden_size % tcfg.num_attention_heads:
             raise ValueError(f"target {target}: hidden_size {tcfg.hidden_size} is not divisible by "
                              f"num_attention_heads {tcfg.num_attention_heads}; give the draft shape explicitly")

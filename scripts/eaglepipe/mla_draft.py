@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from .serving_limits import MLA_DRAFT_LAYERS, mla_layers_error
+
 MODEL_TYPE = "deepseek_v3"
 SERVED_ARCHITECTURE = "Eagle3DeepseekV3ForCausalLM"  # registry alias of Eagle3DeepseekV2ForCausalLM
 # The exported config's model_type. Not deepseek_v3: vLLM 0.26.0's SpeculativeConfig.hf_config_override
@@ -31,7 +33,6 @@ SERVED_ARCHITECTURE = "Eagle3DeepseekV3ForCausalLM"  # registry alias of Eagle3D
 # model type for vLLM and is left alone by that override; NVIDIA ModelOpt's Kimi-K2 EAGLE export
 # writes the same.
 SERVED_MODEL_TYPE = "kimi_k2"
-NUM_DRAFT_LAYERS = 1
 # vLLM's DeepseekV2Eagle3Model has no norm over the concatenated aux states before fc (the Llama
 # draft's norm_before_fc), so the MLA draft trains without it; the other three flags it honours.
 NORM_FLAGS = {"norm_before_residual": True, "norm_before_fc": False, "fc_norm": False, "norm_output": True}
@@ -42,11 +43,6 @@ EXPORT_KEY = "eaglepipe"
 # Keys of the exported config that are EAGLE-3 settings, not DeepseekV3 layer fields.
 EAGLE_KEYS = ("draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids",
               "num_aux_hidden_states", *NORM_FLAGS, EXPORT_KEY)
-
-
-def is_mla_target(cfg) -> bool:
-    """MLA targets (DeepseekV2/V3, Kimi) compress K/V through a latent of rank kv_lora_rank."""
-    return getattr(cfg, "kv_lora_rank", None) is not None
 
 
 def draft_rope(tcfg) -> dict:
@@ -74,7 +70,7 @@ def draft_rope(tcfg) -> dict:
             "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0}
 
 
-def layer_config(tcfg, mlp_width: int | None = None, num_layers: int = NUM_DRAFT_LAYERS):
+def layer_config(tcfg, mlp_width: int | None = None, num_layers: int = MLA_DRAFT_LAYERS):
     """DeepseekV3 config of the one-layer draft: the target's MLA shapes, a dense MLP.
 
     ``mlp_width`` None keeps the target's dense FFN width (intermediate_size: 18432 for Kimi).
@@ -82,14 +78,14 @@ def layer_config(tcfg, mlp_width: int | None = None, num_layers: int = NUM_DRAFT
     """
     from transformers import DeepseekV3Config
 
-    if num_layers != NUM_DRAFT_LAYERS:
-        raise ValueError(f"the MLA draft has {NUM_DRAFT_LAYERS} decoder layer (vLLM 0.26.0 widens only layer 0 "
-                         f"to 2 x hidden), not {num_layers}; use draft.layers 1 or draft.architecture llama")
+    refused = mla_layers_error(num_layers)
+    if refused:
+        raise ValueError(refused)
     width = mlp_width or tcfg.intermediate_size
     return DeepseekV3Config(
         vocab_size=tcfg.vocab_size, hidden_size=tcfg.hidden_size, intermediate_size=width,
-        num_hidden_layers=NUM_DRAFT_LAYERS,
-        first_k_dense_replace=NUM_DRAFT_LAYERS,  # dense MLP (vLLM's draft layer is never MoE)
+        num_hidden_layers=MLA_DRAFT_LAYERS,
+        first_k_dense_replace=MLA_DRAFT_LAYERS,  # dense MLP (vLLM's draft layer is never MoE)
         num_mtp_layers=0,
         num_attention_heads=tcfg.num_attention_heads, num_key_value_heads=tcfg.num_attention_heads,
         q_lora_rank=tcfg.q_lora_rank, kv_lora_rank=tcfg.kv_lora_rank, qk_nope_head_dim=tcfg.qk_nope_head_dim,
@@ -163,9 +159,9 @@ def check_servable(config: dict, layer: dict, where: str) -> None:
                          "Eagle3DeepseekV2ForCausalLM has no norm before fc, so it would serve another model")
     if layer.get("hidden_act") != "silu":  # DeepseekV2MLP (deepseek_v2.py) raises on anything else
         raise ValueError(f"{where}: hidden_act is {layer.get('hidden_act')!r}; vLLM's DeepseekV2MLP supports silu only")
-    if layer.get("num_hidden_layers") != NUM_DRAFT_LAYERS:
-        raise ValueError(f"{where}: num_hidden_layers is {layer.get('num_hidden_layers')}; vLLM widens only "
-                         f"layer 0 to 2 x hidden, the MLA draft has {NUM_DRAFT_LAYERS} layer")
+    refused = mla_layers_error(layer.get("num_hidden_layers"))
+    if refused:
+        raise ValueError(f"{where}: num_hidden_layers: {refused}")
 
 
 def served_config(export_cfg: dict) -> dict:

@@ -28,6 +28,41 @@ SAME_ROPE_TYPES = ("default", "linear", "llama3")
 ALLOWED_ROPE = "rope_type default, linear, llama3, or yarn without mscale, mscale_all_dim, attention_factor and attn_factor"
 
 
+# vllm/model_executor/models/deepseek_eagle3.py (DeepseekV2Eagle3Model): only layer 0 of an MLA draft
+# reads 2 x hidden (embeddings and fused aux states), so the MLA draft vLLM serves has one decoder layer.
+MLA_DRAFT_LAYERS = 1
+
+
+def is_mla_target(cfg) -> bool:
+    """MLA targets (DeepseekV2/V3, Kimi) compress K/V through a latent of rank kv_lora_rank; ``cfg`` a
+    transformers config or its config.json as a dict."""
+    value = cfg.get("kv_lora_rank") if isinstance(cfg, dict) else getattr(cfg, "kv_lora_rank", None)
+    return value is not None
+
+
+# draft.architecture: the decoder layer the draft trains and vLLM serves.
+ARCHITECTURES = ("auto", "llama", "mla")
+
+
+def resolve_architecture(architecture: str, target_config) -> str:
+    """``auto`` -> ``mla`` for MLA targets (DeepseekV3 / Kimi), ``llama`` otherwise."""
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"draft architecture {architecture!r}: allowed {list(ARCHITECTURES)}")
+    if architecture == "auto":
+        return "mla" if is_mla_target(target_config) else "llama"
+    if architecture == "mla" and not is_mla_target(target_config):
+        raise ValueError("draft architecture 'mla' needs an MLA target (kv_lora_rank in its config); "
+                         "use 'llama' or 'auto'")
+    return architecture
+
+def mla_layers_error(num_layers: int) -> str | None:
+    """Why vLLM would not serve an MLA draft of ``num_layers`` decoder layers as trained, or None."""
+    if num_layers == MLA_DRAFT_LAYERS:
+        return None
+    return (f"the MLA draft has {MLA_DRAFT_LAYERS} decoder layer (vLLM {VLLM_VERSION} widens only layer 0 "
+            f"to 2 x hidden), not {num_layers}; use draft.layers {MLA_DRAFT_LAYERS} or draft.architecture llama")
+
+
 def aux_count_error(aux_layer_ids: list[int]) -> str | None:
     """Why vLLM would not load a draft with these aux ids, or None."""
     if len(aux_layer_ids) == AUX_STATES:

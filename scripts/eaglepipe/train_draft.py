@@ -28,12 +28,13 @@ from . import checkpoints
 from .acceptance import DRAFT_VOCAB_KEY, EXPLANATIONS, OVERALL, add_strata_arguments
 from .atomic import atomic_path, sha256_file, write_json
 from .dir_lock import dir_lock
-from .draft_model import ARCHITECTURES, LOSS_IMPLEMENTATION
+from .draft_model import LOSS_IMPLEMENTATION
 from .model_dir import check_model_dir
 from .layers import aux_layer_ids, validate_layer_ids
 from .packed_data import GLOBAL, ROW_LOADERS, PackedRows, shuffle_buffer, shuffle_window
 from .progress import TokenProgress
 from .runtime import all_reduce, rng_state, set_rng_state, set_threads, setup_distributed
+from .serving_limits import ARCHITECTURES
 from .shards import load_manifest
 
 log = logging.getLogger("eaglepipe.train_draft")
@@ -50,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--out-dir", required=True)
     p.add_argument("--draft-architecture", default="auto", choices=ARCHITECTURES,
-                   help="decoder layer: mla for MLA targets under auto, else llama (draft_model.resolve_architecture)")
+                   help="decoder layer: mla for MLA targets under auto, else llama (serving_limits.resolve_architecture)")
     p.add_argument("--draft-mlp-width", type=int, default=None, help="dense MLP width (default: the target's)")
     p.add_argument("--draft-layers", type=int, default=1,
                    help="decoder layers of the draft (EAGLE-3's is 1; more only for the llama architecture)")
