@@ -256,7 +256,8 @@ def test_an_mla_draft_of_more_than_one_layer_is_refused_before_any_stage(tmp_pat
     explicit["draft"] = {"architecture": "mla", "layers": 2}
     assert config_errors(explicit, load_schema(SCHEMA)) == [
         "config key draft.layers = 2 is not allowed with draft.architecture 'mla': the MLA draft has 1 decoder "
-        "layer (vLLM 0.26.0 widens only layer 0 to 2 x hidden), not 2; use draft.layers 1 or draft.architecture llama"]
+        "layer (the one checked against vLLM 0.26.0's Eagle3DeepseekV2ForCausalLM), not 2; use draft.layers 1 or "
+        "draft.architecture llama"]
     # under auto the architecture follows the target, known from its config before any stage
     cfg, model = local_target(tmp_path, deploy_name="a/b")
     (model / "config.json").write_text(json.dumps({"num_hidden_layers": 6, "kv_lora_rank": 16}))

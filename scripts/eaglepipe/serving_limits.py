@@ -28,8 +28,10 @@ SAME_ROPE_TYPES = ("default", "linear", "llama3")
 ALLOWED_ROPE = "rope_type default, linear, llama3, or yarn without mscale, mscale_all_dim, attention_factor and attn_factor"
 
 
-# vllm/model_executor/models/deepseek_eagle3.py (DeepseekV2Eagle3Model): only layer 0 of an MLA draft
-# reads 2 x hidden (embeddings and fused aux states), so the MLA draft vLLM serves has one decoder layer.
+# The MLA draft has one decoder layer: the draft whose serving benchmarks/gpu_check_mla_draft.sh checked
+# against our replay. vllm/model_executor/models/deepseek_eagle3.py (DeepseekV2Eagle3Model) would build
+# num_hidden_layers dense layers (layer 0 reading 2 x hidden), but a deeper MLA draft has never been
+# served here, and a second Llama layer gained 0.2 % AL (benchmarks/README.md): not built.
 MLA_DRAFT_LAYERS = 1
 
 
@@ -56,11 +58,12 @@ def resolve_architecture(architecture: str, target_config) -> str:
     return architecture
 
 def mla_layers_error(num_layers: int) -> str | None:
-    """Why vLLM would not serve an MLA draft of ``num_layers`` decoder layers as trained, or None."""
+    """Why an MLA draft of ``num_layers`` decoder layers is not built, or None."""
     if num_layers == MLA_DRAFT_LAYERS:
         return None
-    return (f"the MLA draft has {MLA_DRAFT_LAYERS} decoder layer (vLLM {VLLM_VERSION} widens only layer 0 "
-            f"to 2 x hidden), not {num_layers}; use draft.layers {MLA_DRAFT_LAYERS} or draft.architecture llama")
+    return (f"the MLA draft has {MLA_DRAFT_LAYERS} decoder layer (the one checked against vLLM {VLLM_VERSION}'s "
+            f"Eagle3DeepseekV2ForCausalLM), not {num_layers}; use draft.layers {MLA_DRAFT_LAYERS} or "
+            f"draft.architecture llama")
 
 
 def aux_count_error(aux_layer_ids: list[int]) -> str | None:
