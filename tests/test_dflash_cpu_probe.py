@@ -1,0 +1,31 @@
+"""benchmarks/dflash_cpu_probe.py on a tiny target's shards: speculators' DFlash draft trains on our
+rows and is scored by our estimator on every eval anchor (its API is read at the pinned version)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from test_packed_data import LAYER_IDS, make_run
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_the_probe_trains_a_dflash_draft_and_scores_every_eval_anchor(tmp_path, tiny_llama):
+    run = make_run(tmp_path, tiny_llama)
+    out = tmp_path / "probe.json"
+    env = {**os.environ, "PYTHONPATH": str(REPO / "scripts")}
+    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "dflash_cpu_probe.py"),
+                        "--manifest", str(run["manifest"]), "--vocab", str(run["vocab"]), "--model", str(tiny_llama),
+                        "--aux-ids", *map(str, LAYER_IDS[:-1]), "--max-steps", "3", "--batch-tokens", "256",
+                        "--eval-at", "2", "--out", str(out)], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert sorted(result["evals"]) == ["2", "3"]
+    final = result["evals"]["3"]
+    scored = sum(int(sum(s["loss_mask"][1:])) for s in run["eval"])  # every scored eval position is an anchor
+    assert final["anchors"] == scored > 0
+    assert 1.0 <= final["acceptance_length"] <= 4.0 and len(final["accuracy_per_slot_at_anchors"]) == 3
+    # speculators' slot-1 target is the target's greedy token, our estimator's reference
+    assert final["slot1_reference_agreement"] == 1.0
