@@ -125,9 +125,9 @@ def config_errors(config: dict, schema: dict) -> list[str]:
         out += [f"config key {e}" for e in engine_args_errors(engine_args)]
     draft = config.get("draft") or {}
     layers = draft.get("layers")
-    if draft.get("architecture") == "mla" and isinstance(layers, int) and mla_layers_error(layers):
-        out.append(f"config key draft.layers = {layers!r} is not allowed with draft.architecture 'mla': "
-                   f"{mla_layers_error(layers)}")
+    refused = mla_layers_error(layers) if draft.get("architecture") == "mla" and isinstance(layers, int) else None
+    if refused:
+        out.append(f"config key draft.layers = {layers!r} is not allowed with draft.architecture 'mla': {refused}")
     ids = (config.get("extract") or {}).get("layer_ids")
     if isinstance(ids, list) and all(isinstance(i, int) for i in ids) and ids != sorted(set(ids)):
         out.append(f"config key extract.layer_ids = {ids} is not allowed: it must be strictly "

@@ -74,7 +74,7 @@ def layer_config(tcfg, mlp_width: int | None = None, num_layers: int = MLA_DRAFT
     """DeepseekV3 config of the one-layer draft: the target's MLA shapes, a dense MLP.
 
     ``mlp_width`` None keeps the target's dense FFN width (intermediate_size: 18432 for Kimi).
-    ``num_layers`` (draft.layers) other than one is refused: vLLM serves a one-layer MLA draft.
+    ``num_layers`` (draft.layers) other than one is refused (serving_limits.MLA_DRAFT_LAYERS says why).
     """
     from transformers import DeepseekV3Config
 

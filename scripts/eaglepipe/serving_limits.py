@@ -57,6 +57,7 @@ def resolve_architecture(architecture: str, target_config) -> str:
                          "use 'llama' or 'auto'")
     return architecture
 
+
 def mla_layers_error(num_layers: int) -> str | None:
     """Why an MLA draft of ``num_layers`` decoder layers is not built, or None."""
     if num_layers == MLA_DRAFT_LAYERS:
