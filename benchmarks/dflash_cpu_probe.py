@@ -90,35 +90,37 @@ def build_model(args):
     return model, mask_id, tl
 
 
-def make_optimizer(args, model):
-    from transformers import get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
+class AdamWSchedule:
+    """AdamW with a warmup then linear or cosine decay, behind train_draft.Optimization's interface."""
 
+    def __init__(self, args, params):
+        from transformers import get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
+
+        self.opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+        decay = get_cosine_schedule_with_warmup if args.schedule == "cosine" else get_linear_schedule_with_warmup
+        self.schedule = decay(self.opt, args.warmup_steps, args.max_steps)
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad(set_to_none=True)
+
+    def step(self) -> None:
+        self.opt.step()
+        self.schedule.step()
+
+    def last_lr(self) -> float:
+        return self.schedule.get_last_lr()[0]
+
+
+def make_optimizer(args, model):
+    """(trainable parameters, optimizer with zero_grad / step / last_lr)."""
     params = [p for p in model.parameters() if p.requires_grad]
     if args.optimizer == "muon":  # exactly train_draft's (the EAGLE-3 baseline's): Muon + AdamW, cosine
         from eaglepipe.train_draft import Optimization
 
-        o = Optimization(argparse.Namespace(optimizer="muon", lr=args.lr, weight_decay=args.weight_decay,
-                                            muon_weight_decay=None, warmup_steps=args.warmup_steps,
-                                            max_steps=args.max_steps), model)
-
-        class Sched:
-            def step(self):
-                pass
-
-            def get_last_lr(self):
-                return [o.last_lr()]
-
-        class Opt:
-            def zero_grad(self, set_to_none=True):
-                o.zero_grad()
-
-            def step(self):
-                o.step()
-
-        return params, Opt(), Sched()
-    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
-    sched_fn = get_cosine_schedule_with_warmup if args.schedule == "cosine" else get_linear_schedule_with_warmup
-    return params, opt, sched_fn(opt, args.warmup_steps, args.max_steps)
+        return params, Optimization(argparse.Namespace(optimizer="muon", lr=args.lr, weight_decay=args.weight_decay,
+                                                       muon_weight_decay=None, warmup_steps=args.warmup_steps,
+                                                       max_steps=args.max_steps), model)
+    return params, AdamWSchedule(args, params)
 
 
 def doc_map(lengths: torch.Tensor) -> torch.Tensor:
@@ -241,9 +243,10 @@ def main(argv=None):
     print(f"draft: {args.num_layers} layer(s) {tl.layer_types}, block {args.block_size} (K={args.block_size - 1}), "
           f"aux ids {model.target_layer_ids}, mask token {mask_id}, draft vocab {model.draft_vocab_size}, "
           f"attn {args.attn}", flush=True)
-    params, opt, sched = make_optimizer(args, model)
-    print(f"trainable parameters {sum(q.numel() for q in params):,}; AdamW lr {args.lr} wd {args.weight_decay}, "
-          f"{args.schedule} decay, warmup {args.warmup_steps}", flush=True)
+    params, opt = make_optimizer(args, model)
+    decay = "cosine" if args.optimizer == "muon" else args.schedule
+    print(f"trainable parameters {sum(q.numel() for q in params):,}; {args.optimizer} lr {args.lr} wd "
+          f"{args.weight_decay}, {decay} decay, warmup {args.warmup_steps}", flush=True)
     loss_config = resolve_loss_config("ce", "eager")
     head = load_target_head(args.model)
     rows = BothRows(manifest, "train", args.batch_tokens, seed=args.seed, shuffle=True, shuffle_window=None)
@@ -259,18 +262,17 @@ def main(argv=None):
         b = {k: batch[k] for k in KEYS}
         _, loss, m = model(**b, loss_config=loss_config, max_anchors=args.max_anchors,
                            per_position_loss_weight=args.loss_weight)
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        sched.step()
         step_times.append(time.perf_counter() - ts)
         if step <= 10 or step % 20 == 0 or step == steps:
             eal = float(m["eal_sum"] / m["eal_total"])
             acc = [round(float(m[f"position_{i}_acc_sum"] / m[f"position_{i}_acc_total"].clamp(min=1)), 3)
                    for i in range(1, args.block_size)]
             print(f"step {step}: loss {float(loss.detach()):.4f} train eal {eal:.3f} slot acc {acc} "
-                  f"lr {sched.get_last_lr()[0]:.2e} {step_times[-1]:.2f} s/step "
+                  f"lr {opt.last_lr():.2e} {step_times[-1]:.2f} s/step "
                   f"(mean {sum(step_times) / len(step_times):.2f})", flush=True)
         if step in args.eval_at and step != steps:
             te = time.perf_counter()
