@@ -23,6 +23,9 @@
 #       for each run's draft (K 2-4, concurrency 1 and 4), one after the other.
 #   bash benchmarks/gpu_regenerate_table.sh _serve_best RUN...   (in THEN) the run with the highest offline AL
 #       as served on the MT-Bench set, served alone: vLLM's defaults, K 3 and 4, concurrency 1.
+#   bash benchmarks/gpu_regenerate_table.sh _dflash RUN   (in THEN) a DFlash draft trained on RUN's shards
+#       (benchmarks/dflash_probe.py: one layer, block 8, the preset's Muon and 1,000 x 8,192 tokens), served
+#       alone at K 3 and 7, then RUN's EAGLE-3 draft at K 3 on the same machine; concurrency 1, 80 prompts.
 #   bash benchmarks/gpu_regenerate_table.sh _spread RUN [REPEATS]   (in THEN, or detached by hand) RUN's draft
 #       served REPEATS rounds (default 2) of one engine per setting in SPREAD (default "small default":
 #       the pipeline's memory settings, vLLM's default; also seqs8, noasync, v1), K=3, concurrency 1:
@@ -126,11 +129,11 @@ chain() {  # the target once, then the runs at once
   return $rc
 }
 
-bench() {  # bench RUN OUT PARITY FLAGS...: benchmark_serving for RUN's draft on its 80 prompts, results in
-  # $W/OUT, the parity samples in $W/PARITY; FLAGS: K, concurrency and engine settings
+bench() {  # bench RUN OUT PARITY FLAGS...: benchmark_serving for RUN's draft (or $DRAFT) on its 80 prompts,
+  # results in $W/OUT, the parity samples in $W/PARITY; FLAGS: K, concurrency and engine settings
   local run=$1 out=$2 parity=$3; shift 3
   python3 -m eaglepipe.benchmark_serving --model results/models/SmolLM2-135M-Instruct \
-    --serve-model HuggingFaceTB/SmolLM2-135M-Instruct --draft "results/$run/draft" \
+    --serve-model HuggingFaceTB/SmolLM2-135M-Instruct --draft "${DRAFT:-results/$run/draft}" \
     --prompts "results/$run/data/eval.jsonl" --num-prompts 80 --max-tokens 256 --parity-k 3 "$@" \
     --out "$W/$out" --parity-samples "$W/$parity"
 }
@@ -159,6 +162,21 @@ if not scored:
     sys.exit("best_of: no run has its offline estimate")
 print(max(scored, key=scored.get))
 PY
+}
+
+dflash() {  # dflash RUN: the one-forward drafter vLLM 0.26.0 serves, against RUN's EAGLE-3 draft. Block 8
+  # (K up to 7; its layer is causal, so K=3 serves the block's first slots as trained); mask token 3
+  # (<repo_name>: SmolLM2 has no free id, and speculators' fallback, id 2, is <|im_end|>); 1,024 anchors
+  # a row of 8,192 tokens (speculators' 512 is for shorter rows). Served first: the EAGLE-3 figures
+  # of this configuration are known from earlier sessions, on other machines
+  local run=$1 draft=results/$1/dflash-draft
+  python3 benchmarks/dflash_probe.py --device cuda --manifest "results/$run/hidden_states/manifest.json" \
+    --vocab "results/$run/data/vocab_mapping.safetensors" --model results/models/SmolLM2-135M-Instruct \
+    --block-size 8 --mask-token-id 3 --optimizer muon --lr 3e-3 --weight-decay 0 --warmup-steps 50 \
+    --max-steps 1000 --batch-tokens 8192 --max-anchors 1024 --eval-chunk 1024 --threads 8 \
+    --save "$draft" --out "$W/dflash_probe_$run.json" || return 1
+  DRAFT=$draft bench "$run" "serving_dflash_$run.json" "parity_dflash_$run.jsonl" --concurrency 1 --k 3,7 || return 1
+  bench "$run" "serving_eagle3_$run.json" "parity_eagle3_$run.jsonl" --concurrency 1 --k 3
 }
 
 spread() {  # spread RUN [REPEATS]: its draft served (K=3, concurrency 1, 80 prompts) once per setting in
@@ -216,6 +234,7 @@ case "${1:-}" in
     bench "$run" "serving_$run.json" "parity_$run.jsonl" --concurrency 1 --k 3,4
     ;;
   _spread) shift; spread "$@" ;;
+  _dflash) shift; dflash "$1" ;;
   serve)
     shift
     export PYTHONPATH="$PWD/scripts${PYTHONPATH:+:$PYTHONPATH}"

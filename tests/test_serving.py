@@ -11,8 +11,9 @@ from types import SimpleNamespace
 import pytest
 
 from eaglepipe import benchmark_serving as bs
-from eaglepipe.serving_sweep import (acceptance, counter_delta, engine_args_errors, explain_divergences, first_difference, logit_ulp,
-                                     near_tie_threshold, recommend, spec_counters, sweep_rows, window_requests)
+from eaglepipe.serving_sweep import (acceptance, counter_delta, draft_method, engine_args_errors, explain_divergences,
+                                     first_difference, logit_ulp, near_tie_threshold, recommend, spec_counters,
+                                     sweep_rows, window_requests)
 from eaglepipe.tokenized_samples import read_prepared
 
 
@@ -188,6 +189,8 @@ def test_sweep_rows_and_recommendation():
     assert json.loads(cmd[cmd.index("--speculative-config") + 1]) == {
         "model": "results/run/draft", "method": "eagle3", "num_speculative_tokens": 2}
     assert "--tensor-parallel-size 8" in recommend(rows, "m", "d", 8)["serve_command"]
+    dflash = shlex.split(recommend(rows, "m", "d", 1, method="dflash")["serve_command"])
+    assert json.loads(dflash[dflash.index("--speculative-config") + 1])["method"] == "dflash"
     # where no K beats the target alone there is no K to recommend
     slow = [dict(r, speedup=0.9) if r["concurrency"] == 4 and r["k"] else r for r in rows]
     assert recommend(slow, "m", "d", 1)["by_concurrency"] == {"1": 2, "4": None}
@@ -256,6 +259,13 @@ def test_first_difference():
     assert first_difference([1, 2], [1, 2, 3]) == 2
 
 
+def test_the_method_vllm_serves_a_draft_with_is_the_one_its_config_names(tmp_path):
+    for config, method in [({"speculators_model_type": "eagle3"}, "eagle3"), ({"speculators_model_type": "dflash"}, "dflash"),
+                           ({"model_type": "deepseek_v3"}, "eagle3")]:  # the MLA draft's plain config
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        assert draft_method(tmp_path) == method
+
+
 def test_main_writes_serving_json_and_parity_samples(tmp_path, monkeypatch):
     prompts = tmp_path / "eval.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in [
@@ -264,13 +274,14 @@ def test_main_writes_serving_json_and_parity_samples(tmp_path, monkeypatch):
         {"id": "c", "input_ids": [6], "loss_mask": [1]}]))  # empty prompt: skipped
     draft = tmp_path / "draft"
     draft.mkdir()
-    (draft / "config.json").write_text("{}")
+    (draft / "config.json").write_text('{"speculators_model_type": "dflash"}')
     base, spec = synthetic_engines()
     calls = []
 
     def fake_run_isolated(settings, ps, k):
         calls.append(k)
         assert settings["draft"] == str(draft.resolve()) and ps == [[1, 2], [4]]
+        assert settings["method"] == "dflash"
         assert settings["engine_args"] == {"max_num_seqs": 4}  # every engine gets them
         return base if k is None else spec[k]
 
@@ -286,6 +297,7 @@ def test_main_writes_serving_json_and_parity_samples(tmp_path, monkeypatch):
                                   "serve_command": res["recommended"]["serve_command"]}
     assert "org/m" in res["recommended"]["serve_command"]
     assert "--max-num-seqs 4" in res["recommended"]["serve_command"]
+    assert res["method"] == "dflash" and '"method": "dflash"' in res["recommended"]["serve_command"]
     # the engine settings the speedup was measured with are in the file
     assert (res["engine_args"], res["gpu_memory_utilization"], res["kv_cache_gib"]) == ({"max_num_seqs": 4}, 0.9, 8.0)
     assert res["concurrency"] == [1, 4] and res["k"] == [1, 2, 3] and res["skipped_prompts"] == {"empty prompt": 1}

@@ -1,5 +1,6 @@
 """Stage benchmark_serving: vLLM with the exported EAGLE-3 draft against the target alone, by
-concurrency and K, what a user of speculative decoding pays for.
+concurrency and K, what a user of speculative decoding pays for. (Any draft vLLM serves in the
+speculators format: the method is the one its config names, serving_sweep.draft_method.)
 
     python -m eaglepipe.benchmark_serving --model TARGET --draft results/run/draft \
         --prompts results/run/data/eval.jsonl --num-prompts 64 --max-tokens 256 \
@@ -35,8 +36,9 @@ from collections import Counter
 from pathlib import Path
 
 from .atomic import atomic_path, json_object_argument, write_json
-from .serving_sweep import (CONVENTION, PARITY_CONCURRENCY, counter_delta, engine_args_errors, explain_divergences,
-                            parity_samples, recommend, spec_counters, sweep_rows, window_done, window_requests)
+from .serving_sweep import (CONVENTION, PARITY_CONCURRENCY, counter_delta, draft_method, engine_args_errors,
+                            explain_divergences, parity_samples, recommend, spec_counters, sweep_rows, window_done,
+                            window_requests)
 from .tokenized_samples import iter_prepared
 from .vllm_env import add_kv_cache_argument, kv_cache_kwargs, set_vllm_env_defaults
 
@@ -177,7 +179,7 @@ def run_engine(settings: dict, prompts: list[list[int]], k: int | None, result_p
         # every request pays its own prefill, as distinct user prompts would (the prompts cycle)
         enable_prefix_caching=False,
         disable_log_stats=False,  # get_metrics() needs the stat loggers
-        speculative_config={"model": settings["draft"], "method": "eagle3", "num_speculative_tokens": k}
+        speculative_config={"model": settings["draft"], "method": settings["method"], "num_speculative_tokens": k}
         if k is not None else None,
         # the reference pass's logprobs are the target's raw logits (margins on the logit scale);
         # requests without logprobs, the timed ones, are unaffected
@@ -263,7 +265,8 @@ def summarize(settings: dict, prompts: list[list[int]], baseline: dict,
     flagged = [dict(d, point=key) for key, div in divergences.items() for d in div["differences"] if not d["near_tie"]]
     parity_point = speculative[settings["parity_k"]]["points"][str(PARITY_CONCURRENCY)]
     result = {
-        "model": settings["model"], "draft": settings["draft"], "serve_model": settings["serve_model"],
+        "model": settings["model"], "draft": settings["draft"], "method": settings["method"],
+        "serve_model": settings["serve_model"],
         "tensor_parallel_size": settings["tensor_parallel_size"], "dtype": settings["dtype"],
         "num_prompts": len(prompts), "prompt_tokens": sum(map(len, prompts)), "max_tokens": settings["max_tokens"],
         "sampling": "greedy", "concurrency": settings["concurrency"], "k": sorted(speculative),
@@ -273,7 +276,7 @@ def summarize(settings: dict, prompts: list[list[int]], baseline: dict,
         "engine_args": settings["engine_args"],
         "points": rows,
         "recommended": recommend(rows, settings["serve_model"], settings["draft"], settings["tensor_parallel_size"],
-                                 settings["trust_remote_code"], settings["engine_args"]),
+                                 settings["trust_remote_code"], settings["engine_args"], settings["method"]),
         "engines": [{"k": e["k"], **e["time"]} for e in [baseline, *speculative.values()]],
         "divergences": {"near_tie_ulps": settings["near_tie_ulps"], "rule": NEAR_TIE_NOTE,
                         "reference": f"the target alone, all {len(prompts)} prompts at once, logprobs=2 (raw logits)",
@@ -360,6 +363,7 @@ def main(argv: list[str] | None = None) -> None:
     log(f"{len(prompts)} prompts ({sum(map(len, prompts)):,} tokens) from {a.prompts}; "
         f"skipped {dict(skipped) or 'none'}")
     settings = {"model": a.model, "serve_model": a.serve_model or a.model, "draft": a.draft,
+                "method": draft_method(a.draft),
                 "tensor_parallel_size": a.tensor_parallel_size, "gpu_memory_utilization": a.gpu_memory_utilization,
                 "kv_cache_gib": a.kv_cache_gib, "engine_args": a.engine_args,
                 "trust_remote_code": a.trust_remote_code,

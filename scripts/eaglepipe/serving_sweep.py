@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shlex
+from pathlib import Path
 
 # vLLM 0.26.0's spec-decode counters (vllm/v1/spec_decode/metrics.py, SpecDecodingProm) as
 # LLM.get_metrics() names them (vllm/v1/metrics/reader.py strips the "_total" suffix).
@@ -173,11 +175,18 @@ def engine_arg_flags(engine_args: dict) -> list[str]:
     return words
 
 
+def draft_method(draft: str | os.PathLike) -> str:
+    """vLLM's speculative method for a draft directory: the speculators type its config.json names
+    (eagle3 for export_draft's; dflash for benchmarks/dflash_probe.py's), else eagle3 (the MLA draft's
+    plain DeepseekV3 config, mla_draft.py, which vLLM serves as an EAGLE-3 draft)."""
+    return json.loads((Path(draft) / "config.json").read_text()).get("speculators_model_type", "eagle3")
+
+
 def serve_command(model: str, draft: str, k: int, tensor_parallel_size: int, trust_remote_code: bool = False,
-                  engine_args: dict | None = None) -> str:
+                  engine_args: dict | None = None, method: str = "eagle3") -> str:
     """The `vllm serve` line for the draft: the run's tensor parallel size, --trust-remote-code when the
     run used it, and the engine arguments the serving benchmark measured with."""
-    spec = json.dumps({"model": draft, "method": "eagle3", "num_speculative_tokens": k})
+    spec = json.dumps({"model": draft, "method": method, "num_speculative_tokens": k})
     words = ["vllm", "serve", model, "--speculative-config", spec]
     if tensor_parallel_size > 1:
         words += ["--tensor-parallel-size", str(tensor_parallel_size)]
@@ -187,7 +196,7 @@ def serve_command(model: str, draft: str, k: int, tensor_parallel_size: int, tru
 
 
 def recommend(rows: list[dict], model: str, draft: str, tensor_parallel_size: int, trust_remote_code: bool = False,
-              engine_args: dict | None = None) -> dict:
+              engine_args: dict | None = None, method: str = "eagle3") -> dict:
     """The K with the highest speedup at each concurrency (ties: the smaller K, it costs less draft
     compute), null where no K is faster than the target alone; ``k`` is the best K at the lowest
     concurrency measured (1 by default, the case speculative decoding is for), whatever its speedup,
@@ -203,7 +212,8 @@ def recommend(rows: list[dict], model: str, draft: str, tensor_parallel_size: in
         raise ValueError("no speculative point was measured")
     k = best[min(best)]["k"]
     return {"by_concurrency": {str(c): best[c]["k"] if best[c]["speedup"] > 1 else None for c in sorted(best)}, "k": k,
-            "serve_command": serve_command(model, draft, k, tensor_parallel_size, trust_remote_code, engine_args)}
+            "serve_command": serve_command(model, draft, k, tensor_parallel_size, trust_remote_code, engine_args,
+                                           method)}
 
 
 # ---- non-identical greedy outputs

@@ -1,4 +1,4 @@
-"""DFlash CPU probe: block acceptance length at K of a speculators 0.9.0 DFlash draft, on our shards.
+"""DFlash probe: block acceptance length at K of a speculators 0.9.0 DFlash draft, on our shards.
 
 What it measures and why: whether a DFlash draft (one forward proposes a whole block: slot 0 is the
 last accepted token, slots 1..K are mask tokens) reaches a K=3 acceptance length comparable to our
@@ -7,6 +7,12 @@ build DFlash as a second draft kind. It trains ``DFlashDraftModel`` (from_traini
 layers, all layers causal sliding-window 2048 as speculators' CLI defaults, block_size = K + 1) with
 AdamW (speculators' defaults) or train_draft's Muon on the train split, then scores ALL valid anchors of
 the eval split with no grad. Results: benchmarks/README.md, "CPU: a DFlash draft against EAGLE-3".
+On a GPU (``--device cuda``) it trains on a pipeline run's shards, and ``--save DIR`` writes the draft
+as speculators saves it (``save_pretrained``), which vLLM 0.26.0 serves with ``"method": "dflash"``
+(benchmarks/gpu_regenerate_table.sh ``_dflash``). Its mask token must not be one the target emits:
+SmolLM2's tokenizer has no free id, so speculators would fall back to pad/eos (id 2, ``<|im_end|>``),
+and a served bonus ``<|im_end|>`` would read as a mask; ``--save`` refuses that, and
+``--mask-token-id`` names another (SmolLM2: 3, ``<repo_name>``, which no chat holds).
 
 Data: the rows are packed by eaglepipe's PackedRows (same manifest, split, plan, batch_tokens, fp32),
 but UNSHIFTED: speculators trains DFlash on unshifted samples (speculators/train/cli.py only shifts
@@ -76,7 +82,15 @@ def build_model(args):
     tl = create_transformer_layer_config(args.model, num_layers=args.num_layers, draft_arch="qwen3",
                                          hidden_act="silu", sliding_window=2048, full_attention_indices=[],
                                          trust_remote_code=False)
-    mask_id = resolve_mask_token_id(args.model, tl.vocab_size, None)
+    mask_id = resolve_mask_token_id(args.model, tl.vocab_size, args.mask_token_id)
+    if args.save and args.mask_token_id is None:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(args.model)
+        if mask_id in (tok.eos_token_id, tok.pad_token_id):
+            raise SystemExit(f"--save: the mask token would be {mask_id} ({tok.convert_ids_to_tokens(mask_id)!r}), "
+                             f"which the target emits (eos/pad fallback); pass --mask-token-id with a token no "
+                             f"answer holds")
     t2d = d2t = None
     vocab = tl.vocab_size
     if not args.full_vocab:
@@ -137,10 +151,12 @@ def evaluate(model, args, manifest, head):
     from speculators.models.metrics import compute_accepted_length_counts
 
     model.eval()
+    device = next(model.parameters()).device
     K, bs = args.block_size - 1, args.block_size
     rows = BothRows(manifest, "eval", args.batch_tokens, shuffle=False)
     rows.with_shifted = True
-    d2t = model.d2t
+    d2t = model.d2t.cpu() if model.d2t is not None else None
+    t2d = model.t2d.cpu() if model.t2d is not None else None
     total, eal_sum, eal_n = None, 0.0, 0.0
     slot_hit = torch.zeros(K, dtype=torch.long)
     slot_n = torch.zeros(K, dtype=torch.long)
@@ -162,13 +178,13 @@ def evaluate(model, args, manifest, head):
             ua, sa = u_anchor[c:c + args.eval_chunk], s_anchor[c:c + args.eval_chunk]
             lm = torch.zeros_like(U["loss_mask"])
             lm[0, ua] = 1
-            b = dict(U)
-            b.pop("lengths")
-            b["loss_mask"] = lm
+            b = {k: v.to(device) for k, v in U.items() if k != "lengths"}
+            b["loss_mask"] = lm.to(device)
             _, logits, targets, _, abi = model._backbone_forward(**b, max_anchors=ua.numel())
+            abi = abi.cpu()
             assert torch.equal(abi[::bs], ua), "select_anchors did not take every anchor"
-            pred = logits[0].argmax(-1).view(-1, bs)  # draft vocabulary
-            tgt = targets[0].argmax(-1).view(-1, bs)
+            pred = logits[0].argmax(-1).view(-1, bs).cpu()  # draft vocabulary
+            tgt = targets[0].argmax(-1).view(-1, bs).cpu()
             pred_t = pred + d2t[pred] if d2t is not None else pred
             draft_ids[:, sa] = pred_t[:, 1:].T
             tgt_ids = tgt + d2t[tgt] if d2t is not None else tgt
@@ -178,11 +194,12 @@ def evaluate(model, args, manifest, head):
             es, en = compute_accepted_length_counts((pred == tgt)[:, 1:], valid)
             eal_sum += float(es)
             eal_n += float(en)
-        greedy = greedy_tokens(model, S["verifier_last_hidden_states"][0], head, S["loss_mask"][0].bool())
+        greedy = greedy_tokens(model, S["verifier_last_hidden_states"][0].to(device), head,
+                               S["loss_mask"][0].bool().to(device)).cpu()
         # alignment check: speculators' slot-1 target (draft-vocab argmax) vs our greedy A[t], where A[t]
         # is in the draft vocabulary; should be ~1 (ties/rounding aside)
         g0 = greedy[s_anchor]
-        inv = g0 >= 0 if model.t2d is None else model.t2d[g0.clamp(min=0)]
+        inv = g0 >= 0 if t2d is None else t2d[g0.clamp(min=0)]
         ref_agree += int((ref_ids[0, s_anchor] == g0)[inv].sum())
         ref_n += int(inv.sum())
         hit, evaluable, valid = anchor_tensors(draft_ids, greedy, S["input_ids"][0], S["loss_mask"][0],
@@ -213,6 +230,10 @@ def main(argv=None):
     p.add_argument("--aux-ids", type=int, nargs="+", default=None,
                    help="aux layer ids (default: speculators' [2, n//2, n-3] = the manifest's [2, 15, 27])")
     p.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"))
+    p.add_argument("--mask-token-id", type=int, default=None,
+                   help="the draft's mask token (default: speculators' resolution, which falls back to pad/eos)")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU host")
+    p.add_argument("--save", default=None, help="write the trained draft here as speculators saves it (vLLM serves it)")
     p.add_argument("--max-steps", type=int, default=400)
     p.add_argument("--batch-tokens", type=int, default=1024)
     p.add_argument("--max-anchors", type=int, default=512, help="training anchors per row (speculators' default)")
@@ -240,6 +261,7 @@ def main(argv=None):
 
     manifest = load_manifest(args.manifest)
     model, mask_id, tl = build_model(args)
+    model.to(args.device)
     print(f"draft: {args.num_layers} layer(s) {tl.layer_types}, block {args.block_size} (K={args.block_size - 1}), "
           f"aux ids {model.target_layer_ids}, mask token {mask_id}, draft vocab {model.draft_vocab_size}, "
           f"attn {args.attn}", flush=True)
@@ -248,7 +270,7 @@ def main(argv=None):
     print(f"trainable parameters {sum(q.numel() for q in params):,}; {args.optimizer} lr {args.lr} wd "
           f"{args.weight_decay}, {decay} decay, warmup {args.warmup_steps}", flush=True)
     loss_config = resolve_loss_config("ce", "eager")
-    head = load_target_head(args.model)
+    head = load_target_head(args.model).to(args.device)
     rows = BothRows(manifest, "train", args.batch_tokens, seed=args.seed, shuffle=True, shuffle_window=None)
     stream = rows.stream()
     results = {"args": vars(args), "mask_token_id": mask_id, "evals": {}}
@@ -259,7 +281,7 @@ def main(argv=None):
     for step in range(1, steps + 1):
         ts = time.perf_counter()
         _, batch = next(stream)
-        b = {k: batch[k] for k in KEYS}
+        b = {k: batch[k].to(args.device) for k in KEYS}
         _, loss, m = model(**b, loss_config=loss_config, max_anchors=args.max_anchors,
                            per_position_loss_weight=args.loss_weight)
         opt.zero_grad()
@@ -285,6 +307,9 @@ def main(argv=None):
     print(f"trained {steps} steps in {train_s:.0f} s, {results['s_per_step']} s/step", flush=True)
     if args.time_only:
         return
+    if args.save:  # before the eval: serving needs the draft, not its offline figure
+        model.save_pretrained(args.save)
+        print(f"saved the draft to {args.save} (K = {args.block_size - 1}, mask token {mask_id})", flush=True)
     te = time.perf_counter()
     ev = evaluate(model, args, manifest, head)
     results["evals"][steps] = ev
