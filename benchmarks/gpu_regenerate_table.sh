@@ -170,7 +170,9 @@ dflash() {  # dflash RUN: the one-forward drafter vLLM 0.26.0 serves, against RU
   # a row of 8,192 tokens (speculators' 512 is for shorter rows). Served first: the EAGLE-3 figures
   # of this configuration are known from earlier sessions, on other machines
   local run=$1 draft=results/$1/dflash-draft
-  python3 benchmarks/dflash_probe.py --device cuda --manifest "results/$run/hidden_states/manifest.json" \
+  # TORCHDYNAMO_DISABLE: speculators compiles DFlash's forward on CUDA (models/utils.py
+  # conditional_torch_compile); the probe's sdpa path ran eager on CPU, and one layer needs no compiling
+  TORCHDYNAMO_DISABLE=1 python3 benchmarks/dflash_probe.py --device cuda --manifest "results/$run/hidden_states/manifest.json" \
     --vocab "results/$run/data/vocab_mapping.safetensors" --model results/models/SmolLM2-135M-Instruct \
     --block-size 8 --mask-token-id 3 --optimizer muon --lr 3e-3 --weight-decay 0 --warmup-steps 50 \
     --max-steps 1000 --batch-tokens 8192 --max-anchors 1024 --eval-chunk 1024 --threads 8 \
