@@ -86,7 +86,7 @@ def test_every_engine_gets_the_kv_cache(tmp_path, llm_kwargs, gib, expected):
                                    *(["--kv-cache-gib", str(gib)] if gib else [])])
     serving_settings = {"model": "m", "tensor_parallel_size": 1, "trust_remote_code": False, "dtype": "bfloat16",
                         "gpu_memory_utilization": 0.1, "kv_cache_gib": gib, "max_tokens": 4, "draft": "d",
-                        "engine_args": {"max_num_seqs": 8}}
+                        "method": "dflash", "engine_args": {"max_num_seqs": 8}}
     starts = {
         "regeneration": lambda: rr.make_generator(regenerate_args, Sampling(0.0, 1.0, 4, (2,))),
         "extraction": lambda: ehs.load_backend(extract_args, [1, 2], 2, tmp_path / "staging"),
@@ -100,11 +100,16 @@ def test_every_engine_gets_the_kv_cache(tmp_path, llm_kwargs, gib, expected):
         assert {k: v for k, v in kwargs.items() if k == "kv_cache_memory_bytes"} == expected, name
         assert kwargs["gpu_memory_utilization"] == 0.1, name
         assert kwargs.get("max_num_seqs") == (8 if name.startswith("serving") else None), name
+    # the draft engine is asked for the method the draft's config names (benchmark_serving's settings)
+    assert llm_kwargs == []
+    with pytest.raises(Built):
+        starts["serving, with the draft"]()
+    assert llm_kwargs.pop()["speculative_config"] == {"model": "d", "method": "dflash", "num_speculative_tokens": 3}
 
 
 def test_an_engine_argument_the_installed_vllm_lacks_stops_the_serving_engine_before_it_loads(tmp_path, llm_kwargs):
     settings = {"model": "m", "tensor_parallel_size": 1, "trust_remote_code": False, "dtype": "bfloat16",
-                "gpu_memory_utilization": 0.1, "kv_cache_gib": None, "max_tokens": 4, "draft": "d",
+                "gpu_memory_utilization": 0.1, "kv_cache_gib": None, "max_tokens": 4, "draft": "d", "method": "eagle3",
                 "engine_args": {"max_num_seqs": 8, "speculative_drafting_mode": "fast"}}
     with pytest.raises(SystemExit, match="engine_args.speculative_drafting_mode: not an engine argument of the "
                                          "installed vLLM"):
