@@ -174,12 +174,12 @@ def evaluate(model, args, manifest, head):
         assert bool(lm_u[u_anchor].all())
         draft_ids = torch.full((K, S["input_ids"].shape[1]), -2, dtype=torch.long)
         ref_ids = torch.full_like(draft_ids, -3)
+        row = {k: v.to(device) for k, v in U.items() if k != "lengths"}  # once a row: chunks change the mask only
         for c in range(0, u_anchor.numel(), args.eval_chunk):
             ua, sa = u_anchor[c:c + args.eval_chunk], s_anchor[c:c + args.eval_chunk]
             lm = torch.zeros_like(U["loss_mask"])
             lm[0, ua] = 1
-            b = {k: v.to(device) for k, v in U.items() if k != "lengths"}
-            b["loss_mask"] = lm.to(device)
+            b = dict(row, loss_mask=lm.to(device))
             _, logits, targets, _, abi = model._backbone_forward(**b, max_anchors=ua.numel())
             abi = abi.cpu()
             assert torch.equal(abi[::bs], ua), "select_anchors did not take every anchor"
