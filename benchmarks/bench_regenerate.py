@@ -29,7 +29,7 @@ set_vllm_env_defaults()  # before any vllm import
 from eaglepipe.chat_data import Chat  # noqa: E402
 from eaglepipe.generation import Sampling, VLLMGenerator, stop_token_ids  # noqa: E402
 from eaglepipe.progress import TokenProgress  # noqa: E402
-from eaglepipe.regenerate_responses import (  # noqa: E402
+from eaglepipe.regeneration import (  # noqa: E402
     Mode, Regenerator, Settings, batched_parts, mode_templates, read_set, request_seed,
 )
 

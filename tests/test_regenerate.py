@@ -21,7 +21,7 @@ from eaglepipe.chat_data import Chat, iter_chats
 from eaglepipe.chat_template import ChatTemplate
 from eaglepipe.degenerate import distinct_ngram_share, is_loop, longest_non_loop_prefix
 from eaglepipe.generation import Finished, Sampling, VLLMGenerator
-from eaglepipe.regenerate_responses import (
+from eaglepipe.regeneration import (
     Mode, Regenerator, Settings, answer_points, assemble, batched_parts, mode_templates, pick_mode, read_mtbench, request_seed,
 )
 from workflow import REPO, copy_workflow, dry_run, snakemake, write_config
