@@ -58,7 +58,7 @@ from eaglepipe.atomic import read_json_object, write_json  # noqa: E402
 from eaglepipe.draft_model import LOSS_IMPLEMENTATION  # noqa: E402
 from eaglepipe.packed_data import GLOBAL, ROW_LOADERS, shuffle_buffer  # noqa: E402
 from eaglepipe.shards import load_manifest, read_shard, shard_paths  # noqa: E402
-from eaglepipe.train_draft import FROZEN, LM_HEADS, OPTIMIZERS, TRAINED  # noqa: E402
+from eaglepipe.training import FROZEN, LM_HEADS, OPTIMIZERS, TRAINED  # noqa: E402
 
 SPEC_CHILD = "--speculators-child"  # internal: run speculators' trainer in this (child) process
 
@@ -142,12 +142,13 @@ def speculators_argv(args, manifest: dict, data: Path, conv: dict, epochs: int, 
     """``speculators train`` flags for the draft our trainer builds (draft_model.NORM_FLAGS included).
     ``lr`` None: speculators' own optimizer, learning rate, weight decay and schedule (what a user of
     ``speculators train`` gets without those flags), not ours."""
+    from eaglepipe.config_check import load_schema
     from eaglepipe.draft_model import NORM_FLAGS
     from eaglepipe.layers import aux_layer_ids
-    from eaglepipe.train_draft import build_parser
 
     aux = [str(int(i)) for i in aux_layer_ids(manifest["layer_ids"])]
-    layers = build_parser().get_default("draft_layers")  # what ours trains here: no --draft-layers is given
+    # what ours trains here, no --draft-layers being given: the schema's draft.layers
+    layers = load_schema(REPO / "config" / "config.schema.yaml")["properties"]["draft"]["properties"]["layers"]["default"]
     work = Path(args.work) / name
     argv = [
         "--verifier-name-or-path", str(args.model), "--speculator-type", "eagle3",

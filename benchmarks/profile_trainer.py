@@ -44,14 +44,15 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 
 from eaglepipe import train_draft  # noqa: E402
-from eaglepipe.acceptance import ROW_KEYS, eval_metrics, evaluate_rows, load_strata  # noqa: E402
+from eaglepipe.acceptance import ROW_KEYS  # noqa: E402
 from eaglepipe.atomic import write_json  # noqa: E402
-from eaglepipe.draft_model import (LOSS_IMPLEMENTATION, load_target_head,  # noqa: E402
-                                   training_row_options)
+from eaglepipe.draft_model import LOSS_IMPLEMENTATION, training_row_options  # noqa: E402
+from eaglepipe.evaluation import Evaluation  # noqa: E402
 from eaglepipe.layers import aux_layer_ids, validate_layer_ids  # noqa: E402
 from eaglepipe.packed_data import PackedRows, shuffle_window  # noqa: E402
 from eaglepipe.runtime import set_threads, setup_distributed  # noqa: E402
 from eaglepipe.shards import load_manifest  # noqa: E402
+from eaglepipe.training import Optimization, new_draft  # noqa: E402
 
 log = logging.getLogger("profile_trainer")
 PHASES = ("next_row", "to_device", "forward_loss", "backward", "optimizer", "stats")
@@ -118,19 +119,19 @@ class Trainer:
         layer_ids = [int(i) for i in self.manifest["layer_ids"]]
         validate_layer_ids(layer_ids, int(self.manifest["target"].get("num_hidden_layers", layer_ids[-1])))
         torch.manual_seed(targs.seed)
-        self.model = train_draft.new_draft(targs, aux_layer_ids(layer_ids), device)
+        self.model = new_draft(targs, aux_layer_ids(layer_ids), device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimization = train_draft.Optimization(targs, self.model)
+        self.optimization = Optimization(targs, self.model)
         self.loss_config = resolve_loss_config(targs.loss, LOSS_IMPLEMENTATION)
         self.row_options = training_row_options(device, targs.batch_tokens)  # as train_draft's rows
         self.pad_to = self.row_options["pad_to"]
         self.model.train()
 
-    def rows(self, split: str = "train", **kw) -> PackedRows:
-        shuffle = split == "train"
-        return PackedRows(self.manifest, split, self.targs.batch_tokens, seed=self.targs.seed, shuffle=shuffle,
-                          shuffle_window=shuffle_window(self.manifest, split, self.targs.shuffle_buffer_gib),
-                          **{**self.row_options, **kw})
+    def rows(self) -> PackedRows:
+        """train_draft's training rows."""
+        return PackedRows(self.manifest, "train", self.targs.batch_tokens, seed=self.targs.seed, shuffle=True,
+                          shuffle_window=shuffle_window(self.manifest, "train", self.targs.shuffle_buffer_gib),
+                          **self.row_options)
 
     def autocast(self):
         # as train_draft: bf16 autocast over fp32 weights on GPUs, fp32 on CPU
@@ -224,14 +225,11 @@ def loss_part_ms(trainer: Trainer, index: int, reps: int) -> dict:
     return out
 
 
-def eval_pass_ms(trainer: Trainer, strata) -> dict:
+def eval_pass_ms(trainer: Trainer, evaluation: Evaluation) -> dict:
     """train_draft's evaluation (its run_eval without the metrics row): one pass over the eval split."""
     a = trainer.targs
-    head = load_target_head(a.model).to(trainer.device)
     t = trainer.sync()
-    rows = trainer.rows("eval", dtype=torch.float32, pin_memory=False).once()  # train_draft's eval rows
-    ev = eval_metrics(evaluate_rows(trainer.model, rows, head, a.ttt_steps, trainer.loss_config,
-                                    a.ttt_step_loss_decay, trainer.device, strata), strata)
+    ev = evaluation(trainer.model, a.ttt_steps, trainer.loss_config, a.batch_tokens, a.ttt_step_loss_decay)
     return {"ms": round((trainer.sync() - t) * 1000, 1), "acceptance_length": ev["acceptance_length"]}
 
 
@@ -323,8 +321,9 @@ def main(argv=None) -> dict:
               f"{lp['forward_with_loss_ms']:.3f} ms")
     if not ours.no_eval:
         def eval_passes() -> list[dict]:
-            strata = load_strata(targs.model, targs.context_buckets, targs.trust_remote_code)
-            return [eval_pass_ms(trainer, strata) for _ in range(2)]  # the first compiles the eval shapes
+            evaluation = Evaluation(trainer.manifest, "eval", targs.model, targs.context_buckets,
+                                    targs.trust_remote_code, device)
+            return [eval_pass_ms(trainer, evaluation) for _ in range(2)]  # the first compiles the eval shapes
 
         side("eval_passes", eval_passes)
         for i, ev in enumerate(result["eval_passes"] if isinstance(result["eval_passes"], list) else []):

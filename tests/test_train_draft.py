@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 from test_packed_data import categorize, make_run
 
-from eaglepipe import train_draft
+from eaglepipe import train_draft, training
 
 SUMMARY_KEYS = {"best", "last", "steps", "best_eval", "last_eval", "layer_ids", "aux_layer_ids", "target_model",
                 "draft_vocab_size", "ttt_steps", "train_tokens", "metrics", "best_selected_by"}
@@ -226,7 +226,7 @@ def test_muon_takes_the_decoders_matrices_and_adamw_the_rest(run, tmp_path):
     torch.manual_seed(0)
     model = build_draft(run["model"], [1, 3, 5], run["vocab"], ttt_steps=3)
     names = {id(p): n for n, p in model.named_parameters()}
-    muon, adamw = train_draft.Optimization(train_draft.parse_args(argv(run, tmp_path, optimizer="muon")),
+    muon, adamw = training.Optimization(train_draft.parse_args(argv(run, tmp_path, optimizer="muon")),
                                            model).optimizers
     assert type(muon) is torch.optim.Muon and type(adamw) is torch.optim.AdamW
     in_muon = {names[id(p)] for g in muon.param_groups for p in g["params"]}
@@ -237,8 +237,8 @@ def test_muon_takes_the_decoders_matrices_and_adamw_the_rest(run, tmp_path):
     # speculators' defaults: the Muon group decays weights by 0.1 unless told
     assert muon.param_groups[0]["weight_decay"] == 0.1 and muon.param_groups[0]["lr"] == adamw.param_groups[0]["lr"]
     args = train_draft.parse_args([*argv(run, tmp_path, optimizer="muon"), "--muon-weight-decay", "0"])
-    assert train_draft.Optimization(args, model).optimizers[0].param_groups[0]["weight_decay"] == 0.0
-    (only,) = train_draft.Optimization(train_draft.parse_args(argv(run, tmp_path, optimizer="adamw")), model).optimizers
+    assert training.Optimization(args, model).optimizers[0].param_groups[0]["weight_decay"] == 0.0
+    (only,) = training.Optimization(train_draft.parse_args(argv(run, tmp_path, optimizer="adamw")), model).optimizers
     assert type(only) is torch.optim.AdamW
     assert train_draft.parse_args(argv(run, tmp_path)).optimizer == "muon"  # the default, the schema's
 
@@ -257,8 +257,8 @@ def test_lm_head_stays_the_targets_rows_unless_trained(run, tmp_path):
     moved = weights(trained, 6)["lm_head.weight"].float()
     assert moved.shape == rows.shape and not torch.allclose(moved, rows)
     args = train_draft.parse_args([*argv(run, tmp_path, optimizer="muon"), "--lm-head", "trained"])
-    model = train_draft.new_draft(args, [1, 3, 5], "cpu")
-    muon, adamw = train_draft.Optimization(args, model).optimizers
+    model = training.new_draft(args, [1, 3, 5], "cpu")
+    muon, adamw = training.Optimization(args, model).optimizers
     assert any(p is model.lm_head.weight for g in adamw.param_groups for p in g["params"])
     assert not any(p is model.lm_head.weight for g in muon.param_groups for p in g["params"])
 

@@ -21,7 +21,6 @@ import torch
 from .acceptance import add_strata_arguments
 from .atomic import read_json_object, write_json
 from .layers import aux_layer_ids
-from .packed_data import PackedRows
 from .shards import load_manifest
 
 log = logging.getLogger("eaglepipe.evaluate")
@@ -60,8 +59,8 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     from speculators.losses import resolve_loss_config
 
-    from .acceptance import eval_metrics, evaluate_rows, load_strata, split_categories
-    from .draft_model import LOSS_IMPLEMENTATION, load_draft, load_target_head, row_length
+    from .draft_model import LOSS_IMPLEMENTATION, load_draft
+    from .evaluation import Evaluation
     from .runtime import set_threads
 
     set_threads()
@@ -76,17 +75,12 @@ def main(argv=None) -> None:
     if list(model.target_layer_ids) != aux:
         raise SystemExit(f"draft {args.draft}: eagle_aux_hidden_state_layer_ids {model.target_layer_ids} differ "
                          f"from the manifest's aux ids {aux} ({args.manifest})")
-    head = load_target_head(args.model).to(device)
-    rows = PackedRows(manifest, args.split, EVAL_BATCH_TOKENS, shuffle=False,
-                      pad_to=row_length(device, EVAL_BATCH_TOKENS)).once()
+    evaluation = Evaluation(manifest, args.split, args.model, args.context_buckets, args.trust_remote_code, device)
     loss_config = resolve_loss_config("kl_div", LOSS_IMPLEMENTATION)
     if args.parity:
-        run_parity(args, served, model, rows, head, loss_config, device)
+        run_parity(args, served, model, evaluation.rows(EVAL_BATCH_TOKENS), evaluation.head, loss_config, device)
         return
-    strata = load_strata(args.model, args.context_buckets, args.trust_remote_code,
-                         split_categories(manifest, args.split))
-    counts = evaluate_rows(model, rows, head, args.k, loss_config, device=device, strata=strata)
-    result = eval_metrics(counts, strata)
+    result = evaluation(model, args.k, loss_config, EVAL_BATCH_TOKENS)
     result.update(split=args.split, draft=str(Path(args.draft)), manifest=str(Path(args.manifest)),
                   target_model=str(args.model))
     write_json(args.out, result)

@@ -36,11 +36,9 @@ from .progress import TokenProgress
 from .runtime import all_reduce, rng_state, set_rng_state, set_threads, setup_distributed
 from .serving_limits import ARCHITECTURES
 from .shards import load_manifest
+from .training import FROZEN, LM_HEADS, OPTIMIZERS, TRAINED, Optimization, new_draft
 
 log = logging.getLogger("eaglepipe.train_draft")
-OPTIMIZERS = ("adamw", "muon")  # speculators 0.9.0's (speculators/train/optimizers.py)
-FROZEN, TRAINED = "frozen", "trained"
-LM_HEADS = (FROZEN, TRAINED)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -115,18 +113,6 @@ RESULT_NEUTRAL = {
 }
 
 
-def new_draft(args, aux_ids: list[int], device):
-    """The draft train() and benchmarks/profile_trainer.py train: speculators' model for the target, its
-    lm_head trainable with --lm-head trained (speculators freezes it with the verifier's tensors; its Muon
-    split keeps it in the AdamW group)."""
-    from .draft_model import build_draft
-
-    model = build_draft(args.model, aux_ids, args.vocab, args.ttt_steps, device, args.trust_remote_code,
-                        args.draft_architecture, args.draft_mlp_width, args.draft_layers)
-    model.lm_head.weight.requires_grad_(args.lm_head == TRAINED)
-    return model
-
-
 def run_settings(args, manifest: dict) -> dict:
     """Everything that changes what training produces (the world size does not: packed_data)."""
     data = hashlib.sha256(json.dumps([manifest["layer_ids"], manifest["splits"]], sort_keys=True).encode())
@@ -155,56 +141,15 @@ class MetricsLog:
             tmp.write_text("".join(json.dumps(row) + "\n" for row in self.rows))
 
 
-class Optimization:
-    """The optimizer(s) and their schedules: speculators' build_optimizers (adamw: one AdamW; muon:
-    Muon on the 2-D weight matrices and AdamW on the rest, two optimizers), each with the cosine
-    schedule and warm-up; what train() and benchmarks/profile_trainer.py step."""
-
-    def __init__(self, args, model):
-        from speculators.train.config.schema import OptimizerArgs
-        from speculators.train.optimizers import build_optimizers
-        from transformers import get_cosine_schedule_with_warmup
-
-        # what we do not set (Muon's momentum, Newton-Schulz steps, RMS matching) stays speculators' default
-        given = {"muon_weight_decay": args.muon_weight_decay} if args.muon_weight_decay is not None else {}
-        config = OptimizerArgs(optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay, muon_lr=args.lr,
-                               **given)
-        self.optimizers = build_optimizers(model, config)
-        self.schedulers = [get_cosine_schedule_with_warmup(o, args.warmup_steps, args.max_steps)
-                           for o in self.optimizers]
-
-    def zero_grad(self) -> None:
-        for o in self.optimizers:
-            o.zero_grad(set_to_none=True)
-
-    def step(self) -> None:
-        for o in self.optimizers:
-            o.step()
-        for s in self.schedulers:
-            s.step()
-
-    def last_lr(self) -> float:
-        return self.schedulers[0].get_last_lr()[0]
-
-    def state_dict(self) -> dict:
-        return {"optimizers": [o.state_dict() for o in self.optimizers],
-                "schedulers": [s.state_dict() for s in self.schedulers]}
-
-    def load_state_dict(self, state: dict) -> None:
-        for o, st in zip(self.optimizers, state["optimizers"], strict=True):
-            o.load_state_dict(st)
-        for s, st in zip(self.schedulers, state["schedulers"], strict=True):
-            s.load_state_dict(st)
-
-
 # ----------------------------------------------------------------------------- training
 def train(args, stop_after: int | None = None) -> dict | None:
     """Run (or resume) training; returns the summary, or None when stopped early by ``stop_after``
     (the test's stand-in for a killed job)."""
     from speculators.losses import resolve_loss_config
 
-    from .acceptance import check_select_by, eval_metrics, evaluate_rows, load_strata, select_value, split_categories
-    from .draft_model import load_target_head, row_length, training_row_options
+    from .acceptance import check_select_by, select_value
+    from .draft_model import training_row_options
+    from .evaluation import Evaluation
 
     threads = set_threads()
     rank, world, device = setup_distributed()
@@ -234,9 +179,8 @@ def train(args, stop_after: int | None = None) -> dict | None:
              f"{sum(p.numel() for p in params):,}", draft_vocab, model.verifier_vocab_size)
     optimization = Optimization(args, model)
     loss_config = resolve_loss_config(args.loss, LOSS_IMPLEMENTATION)
-    head = load_target_head(args.model).to(device)
-    strata = load_strata(args.model, args.context_buckets, args.trust_remote_code, split_categories(manifest, "eval"))
-    check_select_by(args.select_by, strata)
+    evaluation = Evaluation(manifest, "eval", args.model, args.context_buckets, args.trust_remote_code, device)
+    check_select_by(args.select_by, evaluation.strata)
 
     # resume: rank 0 decides (and clears checkpoints of other settings) before the others look
     resume = checkpoints.find_resume(out, digest) if main_rank else None
@@ -272,11 +216,7 @@ def train(args, stop_after: int | None = None) -> dict | None:
         ddp_model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
 
     def run_eval(at_step: int) -> dict:
-        rows = PackedRows(manifest, "eval", args.batch_tokens, shuffle=False, rank=rank, world_size=world,
-                          pad_to=row_length(device, args.batch_tokens)).once()
-        counts = all_reduce(evaluate_rows(model, rows, head, args.ttt_steps, loss_config,
-                                          args.ttt_step_loss_decay, device, strata), world)
-        ev = eval_metrics(counts, strata)
+        ev = evaluation(model, args.ttt_steps, loss_config, args.batch_tokens, args.ttt_step_loss_decay, rank, world)
         row = {"step": at_step, "split": "eval", **{k: v for k, v in ev.items() if k not in EXPLANATIONS}}
         metrics.write(row)
         log.info("eval at step %d: acceptance length %s, per-position acceptance %s, loss %s, draft vocab "
