@@ -56,8 +56,10 @@ extract() {  # extract NAME TRAIN_JSONL EVAL_JSONL DIR: our hf extraction on the
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader >> "$W/summary.txt" 2>&1
 step target "$W/target/config.json" python3 benchmarks/make_random_target.py --arch dsv3 --out "$W/target" \
   --data-out "$W/data" --n 512 --n-eval 32 --len 128-512
-step vocab "$W/data/vocab_mapping.safetensors" python3 benchmarks/mla_draft_check.py vocab \
-  --data "$W/data/train.jsonl" --target-vocab 32000 --draft-vocab 8192 --out "$W/data/vocab_mapping.safetensors"
+step token_freq "$W/data/token_freq.safetensors" python3 benchmarks/mla_draft_check.py token-freq \
+  --data "$W/data/train.jsonl" --target-vocab 32000 --out "$W/data/token_freq.safetensors"
+step vocab "$W/data/vocab_mapping.safetensors" python3 -m eaglepipe.vocab_mapping \
+  --token-freq "$W/data/token_freq.safetensors" --draft-vocab-size 8192 --out "$W/data/vocab_mapping.safetensors"
 extract extract "$W/data/train.jsonl" "$W/data/eval.jsonl" "$W/hs"
 step train "$W/train/summary.json" python3 -m eaglepipe.train_draft --manifest "$W/hs/manifest.json" \
   --vocab "$W/data/vocab_mapping.safetensors" --model "$W/target" --out-dir "$W/train" \

@@ -2,8 +2,8 @@
 """Data helpers of benchmarks/gpu_check_mla_draft.sh (issue 21), for random tokenized data
 (make_random_target.py --data-out), which has no chat template and no token counts.
 
-  python benchmarks/mla_draft_check.py vocab --data train.jsonl --target-vocab V --draft-vocab N --out vm.safetensors
-      the draft vocab mapping from the token counts of the data (eaglepipe.vocab_mapping.build)
+  python benchmarks/mla_draft_check.py token-freq --data train.jsonl --target-vocab V --out token_freq.safetensors
+      the token counts of the data, as prepare_data writes them, for the vocab_mapping stage
   python benchmarks/mla_draft_check.py prompts --data eval.jsonl --prompt-len 32 --out prompts.jsonl
       the same samples with their first --prompt-len tokens as the prompt (loss mask 0, then 1):
       benchmark_serving prompts with what precedes the first loss-masked token
@@ -17,18 +17,15 @@ import json
 import torch
 
 
-def vocab(args) -> None:
+def token_freq(args) -> None:
     from safetensors.torch import save_file
-
-    from eaglepipe.vocab_mapping import build
 
     freq = torch.zeros(args.target_vocab, dtype=torch.int64)
     with open(args.data) as f:
         for line in f:
             freq += torch.bincount(torch.tensor(json.loads(line)["input_ids"]), minlength=args.target_vocab)
-    d2t, t2d, info = build(freq, args.draft_vocab)
-    save_file({"d2t": d2t, "t2d": t2d}, args.out)
-    print(f"vocab mapping: {info}", flush=True)
+    save_file({"token_freq": freq}, args.out)
+    print(f"token counts: {int(freq.sum())} tokens, {int((freq > 0).sum())} distinct", flush=True)
 
 
 def prompts(args) -> None:
@@ -47,17 +44,16 @@ def prompts(args) -> None:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    v = sub.add_parser("vocab")
+    v = sub.add_parser("token-freq")
     v.add_argument("--data", required=True)
     v.add_argument("--target-vocab", type=int, required=True)
-    v.add_argument("--draft-vocab", type=int, required=True)
     v.add_argument("--out", required=True)
     s = sub.add_parser("prompts")
     s.add_argument("--data", required=True)
     s.add_argument("--prompt-len", type=int, default=32)
     s.add_argument("--out", required=True)
     args = p.parse_args(argv)
-    {"vocab": vocab, "prompts": prompts}[args.cmd](args)
+    {"token-freq": token_freq, "prompts": prompts}[args.cmd](args)
 
 
 if __name__ == "__main__":
