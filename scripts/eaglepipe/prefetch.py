@@ -6,9 +6,8 @@ that time was spent with the GPU idle, once per step. A thread hides it and is t
 GPU the step is host-bound (the host issuing kernels is the step) and a packing thread competes for
 the GIL with the issuing one, which a worker process (as speculators' DataLoader workers) avoids at
 the price of a copy through shared memory; which wins is measured on the GPU host
-(benchmarks/bench_row_loader.py stands in for it on any machine; on 2 CPU cores the thread
-won). Both keep the rows' order and the data position exact for resume: the position travels
-with each row.
+(benchmarks/compare_trainers.py --ours-row-loaders thread,process). Both keep the rows' order
+and the data position exact for resume: the position travels with each row.
 """
 
 from __future__ import annotations

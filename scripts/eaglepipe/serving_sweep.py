@@ -177,7 +177,7 @@ def engine_arg_flags(engine_args: dict) -> list[str]:
 
 def draft_method(draft: str | os.PathLike) -> str:
     """vLLM's speculative method for a draft directory: the speculators type its config.json names
-    (eagle3 for export_draft's; dflash for benchmarks/dflash_probe.py's), else eagle3 (the MLA draft's
+    (eagle3 for export_draft's; dflash for a DFlash draft), else eagle3 (the MLA draft's
     plain DeepseekV3 config, mla_draft.py, which vLLM serves as an EAGLE-3 draft)."""
     return json.loads((Path(draft) / "config.json").read_text()).get("speculators_model_type", "eagle3")
 
