@@ -49,6 +49,31 @@ def test_every_preset_names_its_target(preset):
     validate(cfg, SCHEMA)
 
 
+def restated_defaults(config: dict, schema: dict, prefix: str = "") -> list[str]:
+    """The keys of config whose value is the schema's default (for a preset: a value it need not state)."""
+    restated = []
+    for key, value in config.items():
+        sub = schema["properties"].get(key, {})
+        if isinstance(value, dict) and "properties" in sub:
+            restated += restated_defaults(value, sub, f"{prefix}{key}.")
+        elif "default" in sub and sub["default"] == value:
+            restated.append(f"{prefix}{key}")
+    return restated
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.stem)
+def test_every_preset_sets_only_what_differs_from_the_schema(preset):
+    # one place per default: a preset restating one would hide a later change of the schema's
+    restated = restated_defaults(yaml.safe_load(preset.read_text()), load_schema(SCHEMA))
+    assert restated == [], f"{preset.name} restates the schema's default of {', '.join(restated)}: leave them out"
+
+
+def test_a_restated_default_is_found_at_any_depth():
+    given = {"run_name": "x", "train": {"ttt_steps": 3, "lr": 0.003},
+             "benchmark_serving": {"parity": {"z": 3, "k": 2}}, "extract": {"layer_ids": [2, 30, 58, 61]}}
+    assert restated_defaults(given, load_schema(SCHEMA)) == ["train.ttt_steps", "benchmark_serving.parity.z"]
+
+
 def test_a_user_config_takes_the_schemas_defaults_for_real_targets():
     cfg = {"run_name": "mine", "target": {"model": "Qwen/Qwen3-8B"}, "data": {"path": "chats.jsonl"}}
     validate(cfg, SCHEMA)

@@ -7,7 +7,7 @@ import argparse
 import os
 
 # Verified on the H200 with vLLM 0.26.0: its sampler imports flashinfer without a guard and
-# setup.sh leaves flashinfer out (README.md), so the engine fails at start unless the flashinfer
+# setup.sh leaves flashinfer out (docs/gpu-hosts.md), so the engine fails at start unless the flashinfer
 # sampler is off; and a parent that touched CUDA (torch.cuda.is_available() is
 # enough) breaks forked engine workers ("Cannot re-initialize CUDA in forked subprocess"), so
 # they are spawned. A value the caller's environment sets wins.
