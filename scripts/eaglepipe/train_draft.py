@@ -186,6 +186,21 @@ class Optimization:
     def last_lr(self) -> float:
         return self.schedulers[0].get_last_lr()[0]
 
+    def state_dtypes(self) -> dict[str, list[str]]:
+        """The dtypes of what each optimizer keeps, by optimizer and state name ("AdamW.param" = the
+        master weights it updates, "AdamW.exp_avg_sq" = its second moment): a bf16 moment cannot
+        record updates below bf16's resolution, so the run's summary shows they are fp32."""
+        found: dict[str, set] = {}
+        for o in self.optimizers:
+            kind = type(o).__name__
+            for group in o.param_groups:
+                for p in group["params"]:
+                    found.setdefault(f"{kind}.param", set()).add(str(p.dtype).removeprefix("torch."))
+                    for name, value in o.state.get(p, {}).items():
+                        if torch.is_tensor(value):
+                            found.setdefault(f"{kind}.{name}", set()).add(str(value.dtype).removeprefix("torch."))
+        return {k: sorted(v) for k, v in sorted(found.items())}
+
     def state_dict(self) -> dict:
         return {"optimizers": [o.state_dict() for o in self.optimizers],
                 "schedulers": [s.state_dict() for s in self.schedulers]}
@@ -366,6 +381,8 @@ def train(args, stop_after: int | None = None) -> dict | None:
         "ttt_steps": args.ttt_steps,
         "train_tokens": train_tokens,
         "metrics": "metrics.jsonl",
+        "optimizer_state_dtypes": optimization.state_dtypes(),
+        "peak_gpu_memory_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 3) if device.type == "cuda" else None,
     }
     if main_rank:
         metrics.save()
