@@ -48,10 +48,10 @@ chain() {
   step pipeline python3 -m snakemake --cores all --resources gpu=1 \
     --configfile config/presets/kimi-k2.5.yaml benchmarks/kimi_rehearsal.yaml
   mkdir -p "$BENCH" && ln -sfn "$PWD/$MODEL" "$BENCH/model"
-  # 256 x 1,024 tokens (15 GB of bf16 shards), layer ids as the pipeline's for 4 layers, compiled as
+  # 128 x 1,024 tokens (7.5 GB of bf16 shards), layer ids as the pipeline's for 4 layers, compiled as
   # the preset's engines; batches of 16 samples (bench_extraction.py says why)
-  step bench_extraction python3 benchmarks/bench_extraction.py --work "$BENCH" --n 256 --len 1024 \
-    --layer-ids 1,2,3,4 --max-model-len 2048 --gpu-util 0.85 --compiled --rows plain,vllm-disk,fp8-disk \
+  step bench_extraction python3 benchmarks/bench_extraction.py --work "$BENCH" --n 128 --len 1024 \
+    --layer-ids 1,2,3,4 --max-model-len 2048 --gpu-util 0.85 --compiled --rows "${BENCH_ROWS:-plain,vllm-disk}" \
     --json results/bench_extraction_kimi.json
   echo "CHAIN DONE"
 }
