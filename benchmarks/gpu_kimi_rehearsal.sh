@@ -4,9 +4,11 @@
 #
 #   bash benchmarks/gpu_pipeline.sh stage DIR     on an online machine: the wheel parts (as for
 #       gpu_pipeline.sh); copy each to /tmp/stage on the device, one call each, back to back
-#   bash benchmarks/gpu_kimi_rehearsal.sh start   on the device, from the repository root: unpacks
-#       the wheels, `setup.sh --gpu --no-venv`, and starts the chain DETACHED (builds the target on
-#       the GPU, never transferred: ~11 GB), logging to results/kimi_rehearsal.log
+#   bash benchmarks/gpu_kimi_rehearsal.sh start   on the device, from the repository root: copies
+#       the checkout to RUN_DIR (default /tmp/kimi-rehearsal: a later call that carries the checkout
+#       replaces it, and took a first attempt's results and processes with it), unpacks the wheels,
+#       `setup.sh --gpu --no-venv`, and starts the chain there DETACHED (builds the target on the
+#       GPU, never transferred: ~11 GB), logging to RUN_DIR/results/kimi_rehearsal.log
 #   bash benchmarks/gpu_kimi_rehearsal.sh status [WAIT_S]   waits up to WAIT_S s for the chain to
 #       end, prints its progress and copies the small results to $OUT (kimi_rehearsal.tgz)
 # The chain's steps, each timed in results/kimi_rehearsal_steps.tsv: build (make_kimi_target.py),
@@ -16,6 +18,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 STAGE=${STAGE_DIR:-/tmp/stage}
+RUN_DIR=${RUN_DIR:-/tmp/kimi-rehearsal}
 LOG=results/kimi_rehearsal.log
 STEPS=results/kimi_rehearsal_steps.tsv
 PIDFILE=results/kimi_rehearsal.pid
@@ -57,7 +60,8 @@ chain() {
 }
 
 start() {
-  mkdir -p results
+  [ "$PWD" = "$RUN_DIR" ] || { rm -rf "$RUN_DIR" && cp -r . "$RUN_DIR"; }
+  cd "$RUN_DIR" && mkdir -p results
   if [ -f "$PIDFILE" ] && kill -0 "$(cat "$PIDFILE")" 2>/dev/null; then
     echo "already running (pid $(cat "$PIDFILE"))"; return
   fi
@@ -66,13 +70,14 @@ start() {
   bash setup.sh --gpu --no-venv --wheels "$STAGE/wheels" > results/setup.log 2>&1 \
     || { tail -n 30 results/setup.log; echo "setup FAILED"; exit 1; }
   echo "setup $((SECONDS - t0)) s"
-  setsid nohup bash "$0" chain > "$LOG" 2>&1 < /dev/null &
+  setsid nohup bash benchmarks/gpu_kimi_rehearsal.sh chain > "$LOG" 2>&1 < /dev/null &
   echo $! > "$PIDFILE"
   echo "started the chain (pid $!), log $LOG"
 }
 
 status() {
   local wait_s=${1:-0} t0=$SECONDS
+  cd "$RUN_DIR"
   [ -f "$PIDFILE" ] || { echo "not started (no $PIDFILE)"; exit 1; }
   while kill -0 "$(cat "$PIDFILE")" 2>/dev/null && [ $((SECONDS - t0)) -lt "$wait_s" ]; do sleep 5; done
   kill -0 "$(cat "$PIDFILE")" 2>/dev/null && echo "RUNNING after $((SECONDS - t0)) s of waiting" || echo ENDED
