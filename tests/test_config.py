@@ -304,3 +304,37 @@ def test_an_mla_draft_for_a_target_without_mla_is_refused_before_any_stage(tmp_p
                      f"draft architecture 'mla' needs an MLA target (kv_lora_rank in its config); use 'llama' or 'auto'")
     cfg["draft"] = {"architecture": "auto", "layers": 3}
     assert checked(cfg) == []
+
+
+def vllm_config(cfg, **over):
+    """cfg with a stage that starts vLLM on the target (extraction), plus ``over``'s sections."""
+    return {**cfg, "extract": {"backend": "vllm", "device": "cuda"}, **over}
+
+
+def test_a_target_vllm_cannot_capture_is_refused_before_a_vllm_stage_starts(tmp_path):
+    cfg, model = local_target(tmp_path, deploy_name="a/b")
+    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 6, "architectures": ["MixtralForCausalLM"]}))
+    assert checked(cfg) == []  # the hf backends: the pipeline trains the draft (its card says vLLM cannot serve it)
+    for over, starts in [({}, "extract.backend = 'vllm'"),
+                         ({"extract": {}, "benchmark_serving": {"enabled": True}}, "benchmark_serving.enabled = true"),
+                         ({"extract": {}, "regenerate": {"enabled": True, "backend": "vllm"}}, "regenerate.backend = 'vllm'"),
+                         ({"extract": {}, "evaluate": {"prompts": "package:mtbench"}, "regenerate": {"backend": "vllm"}},
+                          "regenerate.backend = 'vllm'")]:
+        (error,) = checked(vllm_config(cfg, **over))
+        assert error.startswith(f"config key target.model = '{model}' ({model / 'config.json'}) cannot be run by vLLM, "
+                                f"which {starts} start on it: architectures ['MixtralForCausalLM']: vLLM 0.26.0's class")
+        assert error.endswith("use the hf backends and benchmark_serving.enabled false")
+
+
+def test_mla_head_dims_vllm_has_no_kernel_for_are_refused(tmp_path):
+    cfg, model = local_target(tmp_path, deploy_name="a/b")
+    dims = {"kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128}
+    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 6, **dims,
+                                                   "architectures": ["DeepseekV3ForCausalLM"]}))
+    assert checked(vllm_config(cfg)) == []  # Kimi-K2.5's dims
+    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 6, **dims, "qk_nope_head_dim": 32,
+                                                   "architectures": ["DeepseekV3ForCausalLM"]}))
+    (error,) = checked(vllm_config(cfg))
+    assert "which extract.backend = 'vllm' start on it: MLA head dims (qk_nope_head_dim, qk_rope_head_dim, " \
+           "v_head_dim) = (32, 64, 128)" in error
+    assert checked(cfg) == []  # nothing starts vLLM

@@ -122,3 +122,18 @@ def test_the_engine_arguments_serving_was_measured_with_are_in_the_serve_command
     words = shlex.split(serve_line(write_card(run, "--serving", str(run / "eval/serving.json"))))
     assert words[words.index("--max-num-seqs") + 1] == "8" and "--no-async-scheduling" in words
     assert json.loads(words[words.index("--compilation-config") + 1]) == {"cudagraph_mode": "FULL_DECODE_ONLY"}
+
+
+@pytest.mark.parametrize("architectures, served", [(["MixtralForCausalLM"], False), (["DeepseekV3ForCausalLM"], True)])
+def test_a_target_the_pinned_vllm_cannot_serve_gets_no_serve_command(run, architectures, served):
+    """A draft trained with the hf backends for a target whose vLLM class has no EAGLE-3 aux-state capture:
+    the card says so instead of printing a `vllm serve` that fails at engine start."""
+    target = run / "target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({"architectures": architectures}))
+    summary = json.loads((run / "train/summary.json").read_text())
+    (run / "train/summary.json").write_text(json.dumps({**summary, "target_model": str(target)}))
+    card = write_card(run)
+    assert ("vllm serve" in card) is served
+    assert ("The pinned vLLM (0.26.0) cannot serve this draft: architectures ['MixtralForCausalLM']: "
+            "vLLM 0.26.0's class for it does not implement EAGLE-3 aux hidden states (SupportsEagle3)" in card) is not served

@@ -17,7 +17,8 @@ from test_packed_data import categorize, make_run
 from eaglepipe import train_draft, training
 
 SUMMARY_KEYS = {"best", "last", "steps", "best_eval", "last_eval", "layer_ids", "aux_layer_ids", "target_model",
-                "draft_vocab_size", "ttt_steps", "train_tokens", "metrics", "best_selected_by"}
+                "draft_vocab_size", "ttt_steps", "train_tokens", "metrics", "best_selected_by", "optimizer_state_dtypes",
+                "peak_gpu_memory_gib"}
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +93,11 @@ def test_cli_outputs_and_summary(run, tmp_path):
     evals = [r for r in rows if r["split"] == "eval"]
     assert [r["step"] for r in evals] == [0, 2, 3, 4, 6]  # untrained draft, every 3, every checkpoint, the end
     assert summary["best_selected_by"] == "overall"
+    # Muon on the matrices, AdamW on the rest: master weights and every moment in fp32
+    states = summary["optimizer_state_dtypes"]
+    assert {"Muon.param", "Muon.momentum_buffer", "AdamW.param", "AdamW.exp_avg", "AdamW.exp_avg_sq"} <= set(states)
+    assert all(dtypes == ["float32"] for dtypes in states.values()), states
+    assert summary["peak_gpu_memory_gib"] is None  # trained on the CPU
     for r in evals:  # every eval is also reported by stratum, and the strata add up
         for name in ("context", "turn"):
             assert sum(s["anchors"] for s in r["strata"][name].values()) == r["anchors"], (r["step"], name)

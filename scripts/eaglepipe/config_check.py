@@ -14,7 +14,8 @@ import jsonschema
 import yaml
 
 from .layers import aux_layer_ids, default_layer_ids, validate_layer_ids
-from .serving_limits import AUX_STATES, aux_count_error, mla_layers_error, resolve_architecture, rope_error, servable_rope
+from .serving_limits import (AUX_STATES, aux_count_error, eagle3_target_error, mla_dims_error, mla_layers_error,
+                             resolve_architecture, rope_error, servable_rope)
 from .serving_sweep import engine_args_errors
 
 # target.build recipe -> the one directory it builds (rules/data.smk's build_target writes only there).
@@ -178,17 +179,23 @@ def deploy_name(target: dict) -> str:
     return target["deploy_name"] or target["model"]
 
 
+def target_config_path(model: str, revision: str | None = None, local: bool = False) -> Path | None:
+    """The target's config.json when at hand without a download: in its directory, or (a hub id, not
+    ``local``) in the Hugging Face cache."""
+    path = Path(model) / "config.json"
+    if not path.is_file() and not local:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(model, "config.json", revision=revision)
+        path = Path(cached) if isinstance(cached, str) else None
+    return path if path is not None and path.is_file() else None
+
+
 def target_config(target: dict) -> tuple[dict, str] | None:
     """The target's config.json (its text part for multimodal targets) and where it was read, when at
     hand without a download: a local directory, or a hub id already in the Hugging Face cache."""
-    model = target["model"]
-    path = Path(model) / "config.json"
-    if not path.is_file() and not is_local_target(target):
-        from huggingface_hub import try_to_load_from_cache
-
-        cached = try_to_load_from_cache(model, "config.json", revision=target["revision"])
-        path = Path(cached) if isinstance(cached, str) else None
-    if path is None or not path.is_file():
+    path = target_config_path(target["model"], target["revision"], is_local_target(target))
+    if path is None:
         return None
     with open(path) as f:
         cfg = json.load(f)
@@ -227,11 +234,34 @@ def target_errors(config: dict) -> list[str]:
             out.append(f"config key extract.layer_ids = {ids!r} does not fit the target ({where}: "
                        f"num_hidden_layers {n}): {e}")
         out += draft_errors(config["draft"], cfg, where)
+        out += vllm_target_errors(config, cfg, where)
         rope = draft_rope_error(cfg)
         if rope:
             out.append(f"config key target.model = {model!r} cannot get a draft vLLM serves as trained: the draft "
                        f"takes the target's rope ({where}): {rope}")
     return out
+
+
+def vllm_starts(config: dict) -> list[str]:
+    """The settings under which a stage starts vLLM on the target (rules/regenerate.smk, extract.smk,
+    evaluate.smk)."""
+    regenerates = config["regenerate"]["enabled"] or config["evaluate"]["prompts"] is not None
+    return (["regenerate.backend = 'vllm'"] * (regenerates and config["regenerate"]["backend"] == "vllm")
+            + ["extract.backend = 'vllm'"] * (config["extract"]["backend"] == "vllm")
+            + ["benchmark_serving.enabled = true"] * bool(config["benchmark_serving"]["enabled"]))
+
+
+def vllm_target_errors(config: dict, target_cfg: dict, where: str) -> list[str]:
+    """What the pinned vLLM would refuse at the engine start of a stage on this target, found before it:
+    a model class without EAGLE-3 aux-state capture, MLA head dims it has no prefill kernel for."""
+    starts = vllm_starts(config)
+    if not starts:
+        return []
+    with open(where) as f:
+        architectures = json.load(f).get("architectures")  # the top level's, also for multimodal targets
+    return [f"config key target.model = {config['target']['model']!r} ({where}) cannot be run by vLLM, which "
+            f"{' and '.join(starts)} start on it: {refused}; use the hf backends and benchmark_serving.enabled false"
+            for refused in (eagle3_target_error(architectures), mla_dims_error(target_cfg)) if refused]
 
 
 def draft_errors(draft: dict, target_cfg: dict, where: str) -> list[str]:

@@ -16,12 +16,14 @@ export's K).
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from . import mla_draft
 from .atomic import atomic_path, read_json_object
+from .config_check import target_config_path
 from .layers import CONVENTION
-from .serving_limits import NORM_FLAGS
+from .serving_limits import NORM_FLAGS, VLLM_VERSION, eagle3_target_error
 from .serving_sweep import serve_command
 
 
@@ -55,8 +57,17 @@ def assistant_tokens_line(assistant: dict | None) -> str:
             f"{', '.join(f'{k} {n}' for k, n in assistant['tokens_trained_by_kind'].items()) or 'none'})")
 
 
+def unservable(target_model: str) -> str | None:
+    """Why the pinned vLLM cannot serve an EAGLE-3 draft on this target (its model class has no aux-state
+    capture), or None; None too when the target's config.json is not at hand."""
+    path = target_config_path(target_model)
+    return eagle3_target_error(json.loads(path.read_text()).get("architectures")) if path else None
+
+
 def card(config: dict, summary: dict, which: str, data_stats: dict, offline: dict, serving: dict | None,
-         draft_dir: Path, tensor_parallel_size: int, trust_remote_code: bool, where: dict[str, str]) -> str:
+         draft_dir: Path, tensor_parallel_size: int, trust_remote_code: bool, where: dict[str, str],
+         refused: str | None = None) -> str:
+    """The card's text; ``refused`` (unservable()'s reason) replaces the serve command, which could not work."""
     spec = _field(config, "speculators_config", where["config"])
     verifier = spec["verifier"]["name_or_path"]
     export_k = spec["proposal_methods"][0]["speculative_tokens"]
@@ -71,11 +82,13 @@ def card(config: dict, summary: dict, which: str, data_stats: dict, offline: dic
            else "speculators format, served natively by vLLM."),
         "",
         "## Serve",
-        "```",
-        serve_command(verifier, str(draft_dir.resolve()), k, tensor_parallel_size, trust_remote_code,
-                      (serving or {}).get("engine_args")),
-        "```",
-        f"num_speculative_tokens {k}: {k_source}.",
+        *([f"The pinned vLLM ({VLLM_VERSION}) cannot serve this draft: {refused}."] if refused else [
+            "```",
+            serve_command(verifier, str(draft_dir.resolve()), k, tensor_parallel_size, trust_remote_code,
+                          (serving or {}).get("engine_args")),
+            "```",
+            f"num_speculative_tokens {k}: {k_source}.",
+        ]),
         "",
         "## Draft",
         f"- target (verifier): `{verifier}`; trained against `{_field(summary, 'target_model', where['summary'])}`",
@@ -153,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
         stats = read_json_object(Path(args.data_stats), "data stats", CardError)
         text = card(inputs["config"], inputs["summary"], args.which, stats, inputs["offline"],
                     inputs.get("serving"), Path(args.draft_config).parent, args.tensor_parallel_size,
-                    args.trust_remote_code, where)
+                    args.trust_remote_code, where, unservable(_field(inputs["summary"], "target_model", args.summary)))
     except CardError as e:
         raise SystemExit(f"model_card: {e}") from None
     with atomic_path(args.out) as tmp:

@@ -28,6 +28,59 @@ SAME_ROPE_TYPES = ("default", "linear", "llama3")
 ALLOWED_ROPE = "rope_type default, linear, llama3, or yarn without mscale, mscale_all_dim, attention_factor and attn_factor"
 
 
+# vllm/model_executor/models/registry.py (_TEXT_GENERATION_MODELS, _MULTIMODAL_MODELS) with each class's
+# bases: the architectures whose vLLM class implements SupportsEagle3 (models/interfaces.py:
+# set_aux_hidden_state_layers). v1/worker/gpu_model_runner.py (_setup_eagle3_aux_hidden_state_outputs)
+# raises "Model does not support EAGLE3 interface" at engine start for any other, both when extracting
+# hidden states (extract_hidden_states) and when serving an EAGLE-3 draft. tests/test_serving_limits.py
+# derives this set from the wheel.
+EAGLE3_TARGETS = frozenset({
+    "AfmoeForCausalLM", "ApertusForCausalLM", "ArceeForCausalLM", "Cosmos3ForConditionalGeneration",
+    "CwmForCausalLM", "DeepseekForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV32ForCausalLM",
+    "DeepseekV3ForCausalLM", "Ernie4_5ForCausalLM", "Exaone4_5_ForConditionalGeneration",
+    "Fairseq2LlamaForCausalLM", "Gemma4ForCausalLM", "Gemma4ForConditionalGeneration",
+    "Gemma4UnifiedForConditionalGeneration", "GlmForCausalLM", "GlmMoeDsaForCausalLM", "GptOssForCausalLM",
+    "GritLM", "HunYuanDenseV1ForCausalLM", "HunYuanMoEV1ForCausalLM", "HunYuanVLForConditionalGeneration",
+    "IQuestCoderForCausalLM", "InternLM3ForCausalLM", "KimiK25ForConditionalGeneration", "LLaMAForCausalLM",
+    "LagunaForCausalLM", "LightOnOCRForConditionalGeneration", "Llama4ForConditionalGeneration",
+    "LlamaForCausalLM", "LlavaForConditionalGeneration", "MiMoForCausalLM", "MiMoV2FlashForCausalLM",
+    "MiMoV2ForCausalLM", "MiniCPM3ForCausalLM", "MiniCPMForCausalLM", "MiniMaxM2ForCausalLM",
+    "Ministral3ForCausalLM", "Mistral3ForConditionalGeneration", "MistralForCausalLM",
+    "MistralLarge3ForCausalLM", "NemotronHForCausalLM", "NemotronHPuzzleForCausalLM", "Phi3ForCausalLM",
+    "PixtralForConditionalGeneration", "Qwen2ForCausalLM", "Qwen2_5_VLForConditionalGeneration",
+    "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3VLForConditionalGeneration",
+    "Step1ForCausalLM", "TeleChat2ForCausalLM", "TeleChat3ForCausalLM", "TeleFLMForCausalLM",
+})
+
+# v1/attention/backends/mla/prefill/flash_attn.py (FlashAttnPrefillBackend.supports_mla_dimensions): the
+# (qk_nope, qk_rope, v) head dims of MLA prefill. It is the only MLA prefill backend vLLM has on Hopper
+# and older (prefill/selector.py), and the first it tries on Blackwell; other dims fail at engine start
+# with "No valid MLA prefill backend" (seen on an H100 with 32/16/32).
+MLA_PREFILL_DIMS = ((128, 64, 128), (192, 64, 256), (64, 64, 128))
+
+
+def eagle3_target_error(architectures: list[str] | None) -> str | None:
+    """Why vLLM cannot capture the aux states of (so cannot extract for, nor serve an EAGLE-3 draft
+    on) a target of these config.json architectures, or None (None too when the config names none)."""
+    if not architectures or set(architectures) & EAGLE3_TARGETS:
+        return None
+    return (f"architectures {list(architectures)}: vLLM {VLLM_VERSION}'s class for it does not implement "
+            f"EAGLE-3 aux hidden states (SupportsEagle3), or it is not a vLLM architecture; allowed: "
+            f"{', '.join(sorted(EAGLE3_TARGETS))}")
+
+
+def mla_dims_error(cfg: dict) -> str | None:
+    """Why vLLM has no MLA prefill kernel for a target's (or MLA draft's) head dims, or None."""
+    if not is_mla_target(cfg):
+        return None
+    dims = tuple(cfg.get(k) for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+    if dims in MLA_PREFILL_DIMS:
+        return None
+    allowed = ", ".join(str(d) for d in MLA_PREFILL_DIMS)
+    return (f"MLA head dims (qk_nope_head_dim, qk_rope_head_dim, v_head_dim) = {dims}: vLLM {VLLM_VERSION}'s "
+            f"FlashAttention MLA prefill (its only one on Hopper) has kernels for {allowed} only")
+
+
 # The MLA draft has one decoder layer: the draft whose serving benchmarks/gpu_check_mla_draft.sh checked
 # against our replay. vllm/model_executor/models/deepseek_eagle3.py (DeepseekV2Eagle3Model) would build
 # num_hidden_layers dense layers (layer 0 reading 2 x hidden), but a deeper MLA draft has never been

@@ -306,6 +306,8 @@ def train(args, stop_after: int | None = None) -> dict | None:
         "ttt_steps": args.ttt_steps,
         "train_tokens": train_tokens,
         "metrics": "metrics.jsonl",
+        "optimizer_state_dtypes": optimization.state_dtypes(),
+        "peak_gpu_memory_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 3) if device.type == "cuda" else None,
     }
     if main_rank:
         metrics.save()

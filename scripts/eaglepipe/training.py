@@ -51,6 +51,23 @@ class Optimization:
     def last_lr(self) -> float:
         return self.schedulers[0].get_last_lr()[0]
 
+    def state_dtypes(self) -> dict[str, list[str]]:
+        """The dtypes of what each optimizer keeps, by optimizer and state name ("AdamW.param" = the
+        master weights it updates, "AdamW.exp_avg_sq" = its second moment): a bf16 moment cannot
+        record updates below bf16's resolution, so the run's summary shows they are fp32."""
+        import torch
+
+        found: dict[str, set] = {}
+        for o in self.optimizers:
+            kind = type(o).__name__
+            for group in o.param_groups:
+                for p in group["params"]:
+                    found.setdefault(f"{kind}.param", set()).add(str(p.dtype).removeprefix("torch."))
+                    for name, value in o.state.get(p, {}).items():
+                        if torch.is_tensor(value):
+                            found.setdefault(f"{kind}.{name}", set()).add(str(value.dtype).removeprefix("torch."))
+        return {k: sorted(v) for k, v in sorted(found.items())}
+
     def state_dict(self) -> dict:
         return {"optimizers": [o.state_dict() for o in self.optimizers],
                 "schedulers": [s.state_dict() for s in self.schedulers]}
