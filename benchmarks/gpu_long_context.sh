@@ -22,7 +22,7 @@
 #       (after the runs; DEVICE cpu checks the steps on a laptop with LONG_LIMIT=3)
 #   bash benchmarks/gpu_long_context.sh shards RUN [TARGET...]   only the shards and vocab mapping of long1k's
 #       data (rows cut at 1,024) as results/RUN, no training (gpu_compare_trainers.sh shards-of); or
-#       the TARGETs of that run instead (e.g. results/RUN/draft/config.json: the preset's training, exported)
+#       the TARGETs of that run instead (e.g. results/RUN/draft/export.json: the preset's training, exported)
 #   bash benchmarks/gpu_long_context.sh status [WAIT_S]   waits, prints the table, copies it to $OUT
 set -uo pipefail
 cd "$(dirname "$0")/.."
