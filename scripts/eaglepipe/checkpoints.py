@@ -93,7 +93,7 @@ def save(out_dir: str | Path, step: int, model, state: dict, metrics: list[dict]
             writing = "its files to disk (fsync)"
     # torch.save reports a full disk as RuntimeError ("unexpected pos"), safetensors as SafetensorError
     except (OSError, RuntimeError, SafetensorError) as e:
-        raise SystemExit(write_failure(root, final, writing, e)) from e
+        raise SystemExit(write_failure(out_dir, state["digest"], final, writing, e)) from e
     _set_link(root, "latest", final.name)
     if best:
         _set_link(root, "best", final.name)
@@ -101,16 +101,17 @@ def save(out_dir: str | Path, step: int, model, state: dict, metrics: list[dict]
     return final
 
 
-def write_failure(root: Path, final: Path, writing: str, error: Exception) -> str:
+def write_failure(out_dir: str | Path, digest: str, final: Path, writing: str, error: Exception) -> str:
     """One sentence for a checkpoint that could not be written: which, why, and what to do."""
+    root = Path(out_dir) / "checkpoints"
     text = str(error)
     if (isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)) or "unexpected pos" in text \
             or "os error 28" in text:
         why = "the disk is full"
     else:
         why = error.strerror if isinstance(error, OSError) and error.strerror else " ".join(text.split())[:200]
-    latest = root / "latest"
-    resumes = f"from {os.readlink(latest)}" if latest.is_symlink() else "from the start"
+    resumable = [c for c in complete_checkpoints(out_dir) if marker_digest(c) == digest]
+    resumes = f"from {resumable[-1].name}" if resumable else "from the start"
     free = human_bytes(shutil.disk_usage(root).free)
     return (f"cannot write checkpoint {final}: writing {writing} failed ({why}; {free} free there); free space in "
             f"{root} and rerun, training resumes {resumes}")
