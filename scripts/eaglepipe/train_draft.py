@@ -396,7 +396,7 @@ def reuse(args, out: Path, ckpt: Path, state: dict, rows: list[dict], layer_ids,
         MetricsLog(out / "metrics.jsonl", rows, enabled=True)
         write_json(out / "summary.json", summary)
     log.info("reusing the finished training %s (same settings, data and code): no step to run; to retrain from "
-             "scratch, delete %s", ckpt, out / "checkpoints")
+             "scratch, delete %s and run again", ckpt, out)
     return summary
 
 
