@@ -75,14 +75,18 @@ def faults(target: Path) -> dict:
     train_log, extract_log = "train_draft.log", "extract_hidden_states.replica-0-of-1.log"
 
     def kill_training(ws):
-        kill_during(ws, "train_draft", train_log, "train_draft: checkpoint ", "--forcerun", "train_draft")
+        kill_during(ws, "train_draft", train_log, "train_draft: checkpoint ")
+
+    def kill_retraining(ws):
+        shutil.rmtree(ws / RUN / "train")  # a retraining from scratch on purpose (README)
+        kill_training(ws)
 
     def kill_extraction(ws):
         kill_during(ws, "extract_hidden_states", extract_log, "backend loaded")
 
     def damaged_checkpoint(damage):
         def inject(ws):
-            kill_training(ws)
+            kill_retraining(ws)
             weights = newest_checkpoint(ws) / "model.safetensors"
             damage(weights)
         return inject
@@ -90,7 +94,7 @@ def faults(target: Path) -> dict:
     def planted_pickle(ws):
         import torch
 
-        kill_training(ws)
+        kill_retraining(ws)
         state = newest_checkpoint(ws) / "trainer_state.pt"
         torch.save({"evil": Payload(ws / "payload-ran")}, state)
 
@@ -120,7 +124,8 @@ def faults(target: Path) -> dict:
         """kill -9 of Snakemake itself: its training job runs on; `--unlock` and rerun beside it."""
         log = ws / RUN / "logs" / train_log
         log.unlink(missing_ok=True)
-        proc = start_snakemake(ws, "--forcerun", "train_draft")
+        shutil.rmtree(ws / RUN / "train")
+        proc = start_snakemake(ws)
         wait_for_line(log, "train_draft: checkpoint ", proc)
         proc.kill()
         proc.wait()
@@ -130,7 +135,8 @@ def faults(target: Path) -> dict:
         snakemake(ws, "--forcerun", "train_draft", check=False)
 
     return {
-        "kill training": ("kill -9 of the training job after its first checkpoint", None, kill_training),
+        "kill training": ("train/ deleted, kill -9 of the training job after its first checkpoint", None,
+                          kill_retraining),
         "lr change + kill training": ("train.lr changed, training killed", ("train", {"lr": 0.002}), kill_training),
         "storage fp8 + kill extraction": ("extract.storage_dtype fp8, extraction killed after loading",
                                           ("extract", {"storage_dtype": "fp8"}), kill_extraction),
@@ -141,13 +147,15 @@ def faults(target: Path) -> dict:
         "bit flip in reused shard": ("a bit of a shard flipped, extraction rerun and killed", None,
                                      flip_reused_shard),
         "deleted shard": ("a shard deleted, then --forcerun train_draft", None, delete_shard),
-        "truncated checkpoint": ("training killed, newest checkpoint's weights truncated", None,
+        "truncated checkpoint": ("train/ deleted, training killed, newest checkpoint's weights truncated", None,
                                  damaged_checkpoint(lambda p: p.write_bytes(p.read_bytes()[: p.stat().st_size // 2]))),
-        "zeroed checkpoint": ("training killed, newest checkpoint's last weight bytes zeroed", None,
+        "zeroed checkpoint": ("train/ deleted, training killed, newest checkpoint's last weight bytes zeroed", None,
                               damaged_checkpoint(lambda p: p.write_bytes(p.read_bytes()[:-64] + bytes(64)))),
-        "planted pickle": ("training killed, a pickle that runs a command planted as trainer state", None,
+        "planted pickle": ("train/ deleted, training killed, a pickle that runs a command planted as trainer state",
+                           None,
                            planted_pickle),
-        "kill snakemake": ("kill -9 of Snakemake during training, --unlock, rerun while its job runs on", None,
+        "kill snakemake": ("train/ deleted, kill -9 of Snakemake during training, --unlock, rerun while its job "
+                           "runs on", None,
                            kill_snakemake),
         "forcerun training": ("--forcerun train_draft on a finished run", None, forcerun_training),
         "model dir without config.json": ("target.model pointed at a copy without config.json", None,

@@ -2,7 +2,7 @@
 # file, included after rules/evaluate.smk, so that it can name those rules' outputs.
 rule model_card:
     input:
-        config=rules.export_draft.output.config,
+        draft=rules.export_draft.output.record,
         summary=rules.train_draft.output.summary,
         stats=rules.prepare_data.output.stats,
         offline=rules.evaluate_offline.output[0],
@@ -26,12 +26,15 @@ rule model_card:
         "../envs/eaglepipe.yaml"
     params:
         which=config["export"]["which"],
+        draft_config=lambda wc, input: os.path.join(
+            os.path.dirname(input.draft), "config.json"
+        ),
         serving=lambda wc, input: f"--serving {input.serving}" if input.serving else "",
         tp=config["extract"]["tensor_parallel_size"],
         trust=trust_flag(),
         code=code_digest("model_card"),
     shell:
         f"{STAGE}.model_card "
-        "--draft-config {input.config} --summary {input.summary} --which {params.which} "
+        "--draft-config {params.draft_config} --summary {input.summary} --which {params.which} "
         "--data-stats {input.stats} --offline {input.offline} {params.serving} "
         "--tensor-parallel-size {params.tp} {params.trust} --out {output} > {log} 2>&1"

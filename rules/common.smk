@@ -324,8 +324,7 @@ def every_output():
 
 def final_outputs():
     out = [
-        "draft/config.json",
-        "draft/model.safetensors",
+        "draft/export.json",
         "draft/README.md",
         "eval/offline.json",
         "report/training.svg",

@@ -1,6 +1,6 @@
 rule evaluate_offline:
     input:
-        draft=rules.export_draft.output.weights,
+        draft=rules.export_draft.output.record,
         manifest=rules.gather_hidden_states.output.manifest,
         model=target_input(),
         earlier=inputs_before(rules.export_draft, rules.gather_hidden_states),
@@ -67,7 +67,7 @@ rule plot_report:
 
 rule benchmark_serving:
     input:
-        draft=rules.export_draft.output.config,
+        draft=rules.export_draft.output.record,
         eval=rules.prepare_data.output.eval,
         offline=rules.evaluate_offline.output[0],
         model=target_input(),
@@ -144,7 +144,7 @@ use rule extract_hidden_states as extract_parity_hidden_states with:
 
 rule evaluate_parity:
     input:
-        draft=rules.export_draft.output.weights,
+        draft=rules.export_draft.output.record,
         # one replica's part manifest covers the whole (small) parity set
         manifest=expand(
             rules.extract_parity_hidden_states.output.part,

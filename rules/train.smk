@@ -1,5 +1,7 @@
 # Checkpoints live in an undeclared directory beside the declared summary, so a killed job resumes
-# from its last complete checkpoint instead of starting over.
+# from its last complete checkpoint instead of starting over, and a job rerun over a finished
+# training of the same settings, data and code (an identical manifest rebuilt, --forcerun) takes its
+# outputs from the finished checkpoints without a step. To retrain from scratch, delete results/RUN/train.
 rule train_draft:
     input:
         manifest=rules.gather_hidden_states.output.manifest,

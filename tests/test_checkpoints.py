@@ -6,9 +6,13 @@ import errno
 import json
 import logging
 import os
+import re
+import shutil
+import subprocess
 
 import pytest
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from eaglepipe import checkpoints
@@ -51,8 +55,22 @@ def test_resume_picks_newest_complete_with_matching_digest(draft, tmp_path, capl
     with caplog.at_level(logging.WARNING):
         assert checkpoints.find_resume(tmp_path, "other") is None
     assert "other settings" in caplog.text and "starting fresh" in caplog.text
-    assert not (tmp_path / "checkpoints").exists()
+    # nothing is removed before the new settings' first checkpoint is on disk
+    assert checkpoints.find_resume(tmp_path, "d1")[0].name == "step-0000001"
+    checkpoints.save(tmp_path, 1, draft, state("other", step=1), [], best=True)
     assert checkpoints.find_resume(tmp_path, "d1") is None
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["best", "latest", "step-0000001"]
+
+
+def test_a_superseded_training_is_removed_only_by_the_next_checkpoint(draft, tmp_path):
+    for step in (2, 4):
+        checkpoints.save(tmp_path, step, draft, state(step=step), [], best=step == 2)
+    assert checkpoints.supersede(tmp_path) == 2
+    root = tmp_path / "checkpoints"
+    assert checkpoints.find_resume(tmp_path, "d1") is None  # a retraining starts fresh
+    assert sorted(p.name for p in root.glob("superseded-*")) == ["superseded-step-0000002", "superseded-step-0000004"]
+    checkpoints.save(tmp_path, 2, draft, state(step=2), [], best=True)
+    assert sorted(p.name for p in root.iterdir()) == ["best", "latest", "step-0000002"]
 
 
 def test_load_weights_round_trip_and_mismatch(draft, tmp_path):
@@ -99,7 +117,9 @@ def test_every_damaged_checkpoint_means_a_fresh_start(draft, tmp_path, caplog):
     truncate(only / "model.safetensors")
     with caplog.at_level(logging.WARNING):
         assert checkpoints.find_resume(tmp_path, "d1") is None
-    assert "starting fresh" in caplog.text and not (tmp_path / "checkpoints").exists()
+    assert "starting fresh" in caplog.text and only.is_dir()  # removed by the next save, not before
+    checkpoints.save(tmp_path, 1, draft, state(step=1), [])
+    assert checkpoints.find_resume(tmp_path, "d1")[0] == only
 
 
 class Payload:
@@ -126,15 +146,53 @@ def test_a_planted_pickle_never_runs(draft, tmp_path, caplog):
         ckpt, _, _ = checkpoints.find_resume(tmp_path, "d1")
     assert not marker.exists(), "the planted pickle ran"
     assert ckpt.name == "step-0000001" and "cannot be loaded as plain data" in caplog.text
+    # our words: no terminal escapes, no advice on how to load it anyway
+    assert "\x1b" not in caplog.text and "weights_only" not in caplog.text and "trust" not in caplog.text
 
 
-def test_a_full_disk_while_checkpointing_names_the_directory(draft, tmp_path, monkeypatch):
+FULL_DISK = {
+    "OSError": (torch, "save", OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), "trainer_state.pt"),
+    # what torch.save raises on a full disk (torch 2.13.0), and safetensors under save_pretrained
+    "torch": (torch, "save", RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534"),
+              "trainer_state.pt"),
+    "safetensors": (None, "save_pretrained",
+                    SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)"),
+                    "config.json and model.safetensors"),
+}
+
+
+@pytest.mark.parametrize("case", FULL_DISK)
+def test_a_full_disk_while_checkpointing_is_one_sentence(draft, tmp_path, monkeypatch, case):
+    where, name, error, file = FULL_DISK[case]
+
     def no_space(*_, **__):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        raise error
 
-    monkeypatch.setattr(torch, "save", no_space)
+    # a checkpoint of these settings to resume from (torch), of other settings (OSError), none (safetensors)
+    previous = None if case == "safetensors" else checkpoints.save(
+        tmp_path, 2, draft, state("d1" if case == "torch" else "other", step=2), [])
+    monkeypatch.setattr(where or draft, name, no_space)
     root = tmp_path / "checkpoints"
-    with pytest.raises(SystemExit, match=f"cannot write checkpoint {root}/step-0000003: No space left on device; "
-                                         f"free space in {root}"):
+    with pytest.raises(SystemExit) as e:
         checkpoints.save(tmp_path, 3, draft, state(step=3), [])
+    resumes = "step-0000002" if case == "torch" else "the start"
+    assert re.fullmatch(f"cannot write checkpoint {root}/step-0000003: writing {file} failed \\(the disk is full; "
+                        f"[0-9.]+ [KMGT]?i?B free there\\); free space in {root} and rerun, training resumes "
+                        f"from {resumes}", str(e.value)), str(e.value)
     assert not list(root.glob(".tmp-*"))  # the half-written checkpoint is gone
+    assert [p.name for p in root.glob("step-*")] == (["step-0000002"] if previous else [])
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("mount"), reason="mounting a small tmpfs needs root")
+def test_a_checkpoint_on_a_full_tmpfs_is_one_sentence(draft, tmp_path):
+    small = tmp_path / "small"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(small)]).returncode:
+        pytest.skip("this container may not mount a tmpfs")
+    try:
+        with pytest.raises(SystemExit, match=r"cannot write checkpoint .*: writing .* failed \(the disk is full; "
+                                              r".*free space in .* and rerun, training resumes from the start$"):
+            checkpoints.save(small, 1, draft, state(step=1), [])
+        assert not list((small / "checkpoints").iterdir())
+    finally:
+        subprocess.run(["umount", str(small)], check=True)

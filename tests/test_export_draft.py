@@ -66,7 +66,11 @@ def ckpt_tensors(run):
 def test_round_trip(run, tiny_llama, drop, capsys):
     info = export(run, drop_embedding=drop)  # includes the speculators round-trip load
     out = run / "draft"
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]  # the card is model_card's
+    # the card is model_card's; export.json records the checkpoint and the files' checksums
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "export.json", "model.safetensors"]
+    record = json.loads((out / "export.json").read_text())
+    assert record["checkpoint"] == info["checkpoint"] and record["files"]["model.safetensors"]["bytes"] == info["bytes"]
+    assert not any((out / name).stat().st_mode & 0o222 for name in ex.DRAFT)  # read-only, as protected() left them
     assert not list(run.glob(".tmp-*"))
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["speculators_config"]["verifier"]["name_or_path"] == "org/tiny-target"
@@ -214,10 +218,44 @@ def test_refuses_target_embedding_that_does_not_fit(run, tmp_path):
 def test_never_overwrites(run):
     (run / "draft").mkdir()
     (run / "draft" / "config.json").write_text("{}")
-    with pytest.raises(ex.ExportError, match="never overwritten") as e:
+    with pytest.raises(ex.ExportError, match=r"holds \['config.json'\], no complete draft, and is left as it is: "
+                                             "a delivered draft is never overwritten") as e:
         export(run)
     # the message gives the command that clears the way
     assert str(e.value).endswith(f"delete it on purpose (rm -rf {run / 'draft'}) and run again")
+    assert (run / "draft" / "config.json").read_text() == "{}" and not list(run.glob(".tmp-*"))
+
+
+def delivered(run):
+    return {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in (run / "draft").iterdir()
+            if p.name != "export.json"}
+
+
+def test_a_delivered_draft_that_is_this_export_is_kept_as_it_is(run, capsys):
+    ex.main(["--summary", str(run / "train" / "summary.json"), "--verifier-name", "org/tiny-target",
+             "--num-speculative-tokens", "4", "--out-dir", str(run / "draft")])
+    (run / "draft" / "README.md").write_text("the model card")
+    before = delivered(run)
+    (run / "draft" / "export.json").unlink()  # Snakemake removes the declared output before the job
+    capsys.readouterr()
+    ex.main(["--summary", str(run / "train" / "summary.json"), "--verifier-name", "org/tiny-target",
+             "--num-speculative-tokens", "4", "--out-dir", str(run / "draft")])
+    assert capsys.readouterr().out.startswith(f"kept {run / 'draft'}: the delivered draft there is this export of ")
+    assert delivered(run) == before and (run / "draft" / "export.json").is_file()
+    assert not list(run.glob(".tmp-*"))
+
+
+def test_a_delivered_draft_of_other_weights_is_left_as_it_is_and_refused(run):
+    export(run)
+    (run / "draft" / "README.md").write_text("the model card")
+    before = delivered(run)
+    (run / "draft" / "export.json").unlink()
+    with pytest.raises(ex.ExportError, match=r"holds \['README.md', 'config.json', 'model.safetensors'\], a delivered "
+                                             r"draft whose config.json differs from this export of .*step-0000004, and "
+                                             "is left as it is: a delivered draft is never overwritten"):
+        export(run, k=3)
+    assert delivered(run) == before and not (run / "draft" / "export.json").exists()
+    assert not list(run.glob(".tmp-*"))
 
 
 def test_cli_error_is_one_sentence(run):

@@ -305,19 +305,66 @@ def test_every_flag_changes_the_run_settings_unless_listed_as_neutral(run, tmp_p
     assert moved == settings
 
 
-def test_a_rerun_over_a_finished_training_retrains_from_scratch(run, tmp_path, caplog):
-    """What `snakemake --forcerun train_draft` does: the full curve again, not 0 steps."""
+def test_a_rerun_over_a_finished_training_takes_its_result_without_a_step(run, tmp_path, caplog, monkeypatch):
+    """What a rerun of the job does, whatever made Snakemake run it (an identical manifest rebuilt,
+    `--forcerun train_draft`): the same outputs from the finished checkpoints, no model built."""
+    out = tmp_path / "train"
+    first = train_draft.train(train_draft.parse_args(argv(run, out, max_steps=4)))
+    written = {name: (out / name).read_bytes() for name in ("summary.json", "metrics.jsonl")}
+    ckpts = {p.name: p.stat().st_mtime_ns for p in (out / "checkpoints").iterdir()}
+    for name in written:
+        (out / name).unlink()  # as Snakemake does before it runs the job
+    monkeypatch.setattr(train_draft, "new_draft", None)  # a step would need the model
+    with caplog.at_level(logging.INFO):
+        assert train_draft.train(train_draft.parse_args(argv(run, out, max_steps=4))) == first
+    assert "reusing the finished training" in caplog.text and "starting fresh" not in caplog.text
+    assert {name: (out / name).read_bytes() for name in written} == written
+    assert {p.name: p.stat().st_mtime_ns for p in (out / "checkpoints").iterdir()} == ckpts
+
+
+def test_a_finished_training_of_other_code_is_retrained_and_kept_until_the_first_new_checkpoint(
+        run, tmp_path, caplog, monkeypatch):
     out = tmp_path / "train"
     train_draft.train(train_draft.parse_args(argv(run, out, max_steps=4)))
     first = metrics_rows(out)
+    finished = sorted(p.name for p in (out / "checkpoints").glob("step-*"))
+    monkeypatch.setattr(train_draft, "code_digest", lambda *_: "edited")
+    with caplog.at_level(logging.INFO):  # killed before its first checkpoint
+        assert train_draft.train(train_draft.parse_args(argv(run, out, max_steps=4)), stop_after=1) is None
+    assert "retraining from scratch" in caplog.text and "made by other code" in caplog.text
+    assert sorted(p.name for p in (out / "checkpoints").glob("superseded-*")) == [f"superseded-{n}" for n in finished]
+    caplog.clear()
     with caplog.at_level(logging.INFO):
         train_draft.train(train_draft.parse_args(argv(run, out, max_steps=4)))
-    assert "retraining from scratch" in caplog.text
+    assert "starting fresh" in caplog.text
+    assert not list((out / "checkpoints").glob("superseded-*"))
 
     def strip(rows):
         return [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in rows]
 
-    assert strip(metrics_rows(out)) == strip(first) and first[-1]["step"] == 4
+    assert strip(metrics_rows(out)) == strip(first) and first[-1]["step"] == 4  # the full curve again
+    caplog.clear()
+    with caplog.at_level(logging.INFO):  # made by this code now: reused
+        train_draft.train(train_draft.parse_args(argv(run, out, max_steps=4)))
+    assert "reusing the finished training" in caplog.text
+
+
+def test_a_failing_start_with_new_settings_removes_no_checkpoint(run, tmp_path):
+    out = tmp_path / "train"
+    train_draft.train(train_draft.parse_args(argv(run, out, max_steps=4)))
+    kept = sorted(p.name for p in (out / "checkpoints").iterdir())
+    with pytest.raises(SystemExit, match="--select-by 'context:>9'"):
+        train_draft.train(train_draft.parse_args(argv(run, out, max_steps=4, context_buckets=8,
+                                                      select_by="context:>9")))
+    shard = next((run["manifest"].parent / "shards").glob("train-*.safetensors"))
+    data = shard.read_bytes()
+    try:
+        shard.write_bytes(data[: len(data) // 2])
+        with pytest.raises(SystemExit, match=str(shard.name)):
+            train_draft.train(train_draft.parse_args(argv(run, out, max_steps=4, lr=1e-3)))
+    finally:
+        shard.write_bytes(data)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == kept
 
 
 def test_cpu_training_gives_the_same_weights_at_any_thread_count(run, tmp_path):

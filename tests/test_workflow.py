@@ -162,9 +162,9 @@ def test_code_edit_reruns_that_stage_and_its_dependants(done_run):
 
 
 def test_delivered_draft_is_write_protected(done_run):
-    # protected(): Snakemake then refuses to rerun export_draft over it ("Write-protected output
-    # files"). Its check is os.access(W_OK), which root bypasses; the exporter itself never
-    # writes into a non-empty directory either (tests/test_export_draft.py).
+    # The exporter writes the draft read-only and never over a delivered one (rules/export.smk,
+    # tests/test_export_draft.py); the card is protected() (Snakemake's check is os.access(W_OK),
+    # which root bypasses).
     for name in ("config.json", "model.safetensors", "README.md"):
         f = done_run / "results" / "tiny" / "draft" / name
         assert not (f.stat().st_mode & 0o222), f"{f} is writable"
@@ -301,7 +301,7 @@ def test_a_rule_reading_another_rules_output_without_naming_it_in_earlier_stops_
     ws = copy_workflow(tmp_path)
     rules = ws / "rules" / "evaluate.smk"
     shipped = rules.read_text()
-    planted = ("\n\nrule summarize_draft:\n    input:\n        config=rules.export_draft.output.config,\n"
+    planted = ("\n\nrule summarize_draft:\n    input:\n        config=rules.export_draft.output.record,\n"
                "        offline=rules.evaluate_offline.output[0],\n{earlier}    output:\n"
                '        "results/{{run}}/eval/summary.txt",\n    shell:\n        "cat {{input.config}} > {{output}}"\n')
     rules.write_text(shipped + planted.format(earlier=""))

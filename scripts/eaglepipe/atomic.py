@@ -36,12 +36,16 @@ def _tmp_prefix(name: str) -> str:
 
 @contextmanager
 def atomic_dir(path: str | os.PathLike):
-    """Yield a temporary directory beside ``path``; on success it replaces ``path`` whole.
+    """Yield a temporary directory beside ``path``; on success it replaces ``path`` whole (publish_dir)."""
+    with staged_dir(path) as tmp:
+        yield tmp
+        publish_dir(tmp, path)
 
-    Files get the umask's modes (mkdtemp and some writers create owner-only ones) and are fsynced
-    before the rename publishes them. A previous ``path`` is moved aside first (a directory
-    cannot be renamed over a non-empty one) and removed afterwards.
-    """
+
+@contextmanager
+def staged_dir(path: str | os.PathLike):
+    """Yield a temporary directory beside ``path`` for publish_dir; whatever is not published is
+    removed on the way out."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     # A kill -9 skips the cleanup in `finally`: the next write of the same path removes what the
@@ -50,25 +54,43 @@ def atomic_dir(path: str | os.PathLike):
         if leftover.is_dir():
             shutil.rmtree(leftover)
     tmp = Path(tempfile.mkdtemp(prefix=_tmp_prefix(path.name), dir=path.parent))
-    old = None
     try:
         yield tmp
-        for p in sorted(tmp.rglob("*"), reverse=True) + [tmp]:
-            p.chmod((0o777 if p.is_dir() else 0o666) & ~_UMASK)
-            if p.is_file():
-                with open(p, "rb") as f:
-                    os.fsync(f.fileno())
-            else:
-                fsync_dir(p)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+
+
+def publish_dir(tmp: Path, path: str | os.PathLike) -> None:
+    """Replace ``path`` whole by the staged directory ``tmp``.
+
+    Files get the umask's modes (mkdtemp and some writers create owner-only ones) and are fsynced
+    before the rename publishes them. A previous ``path`` is moved aside first (a directory
+    cannot be renamed over a non-empty one) and removed afterwards.
+    """
+    path = Path(path)
+    for p in sorted(tmp.rglob("*"), reverse=True) + [tmp]:
+        p.chmod((0o777 if p.is_dir() else 0o666) & ~_UMASK)
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+        else:
+            fsync_dir(p)
+    old = None
+    try:
         if path.exists():
             old = Path(tempfile.mkdtemp(prefix=f".tmp-old-{path.name}.", dir=path.parent))
             path.rename(old / path.name)
-        tmp.rename(path)
+        try:
+            tmp.rename(path)
+        except OSError:
+            if old is not None:  # the previous one goes back: nothing is lost before its replacement is in place
+                (old / path.name).rename(path)
+            raise
         fsync_dir(path.parent)
     finally:
-        for leftover in (tmp, old):
-            if leftover is not None and leftover.exists():
-                shutil.rmtree(leftover)
+        if old is not None and old.exists():
+            shutil.rmtree(old)
 
 
 @contextmanager

@@ -10,14 +10,18 @@ A checkpoint is assembled in a ``.tmp-*`` directory and renamed into place; one 
 is never resumed from, nor one whose files no longer match the sizes and checksums COMPLETE
 records (truncated, zeroed, replaced): the previous complete one is taken instead. The trainer
 state is read with ``torch.load(weights_only=True)``, which refuses anything but tensors and
-plain containers, so a planted pickle cannot run code. The last ``keep`` checkpoints and the best
-one are kept.
+plain containers, so a planted pickle cannot run code. The last ``keep`` checkpoints of the
+current settings and the best one are kept; nothing else is removed before a new checkpoint is
+complete on disk (written, checksummed, fsynced): checkpoints of other settings, and the
+``superseded-step-*`` ones of a finished training that is being retrained (supersede), stay
+until then, so a new run that fails or is killed before its first checkpoint costs nothing.
 The state is not sharded (the draft is small and replicated under DDP), so a run resumes with any
 world size; the data position is global (packed_data), only the rows per step change.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -27,16 +31,19 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from .atomic import atomic_dir, read_json_object
 from .checksum import CHECKSUM, file_checksum
+from .units import human_bytes
 
 log = logging.getLogger(__name__)
 
 MARKER = "COMPLETE"
 STATE = "trainer_state.pt"
 METRICS = "metrics.jsonl"
+SUPERSEDED = "superseded-"
 
 
 def step_name(step: int) -> str:
@@ -70,40 +77,79 @@ def save(out_dir: str | Path, step: int, model, state: dict, metrics: list[dict]
     root = Path(out_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / step_name(step)
+    writing = "config.json and model.safetensors"
     # atomic_dir replaces an older run's directory of the same step (incomplete or superseded)
     try:
         with atomic_dir(final) as tmp:
             model.save_pretrained(str(tmp))
+            writing = STATE
             torch.save(state, tmp / STATE)
+            writing = METRICS
             (tmp / METRICS).write_text("".join(json.dumps(row) + "\n" for row in metrics))
+            writing = MARKER
             files = {p.name: {"bytes": p.stat().st_size, CHECKSUM: file_checksum(p)}
                      for p in sorted(tmp.iterdir())}
             (tmp / MARKER).write_text(json.dumps({"step": step, "digest": state["digest"], "files": files}) + "\n")
-    except OSError as e:
-        raise SystemExit(f"cannot write checkpoint {final}: {e.strerror or e}; free space in {root} "
-                         "and rerun (training resumes from the last complete checkpoint)") from e
+            writing = "its files to disk (fsync)"
+    # torch.save reports a full disk as RuntimeError ("unexpected pos"), safetensors as SafetensorError
+    except (OSError, RuntimeError, SafetensorError) as e:
+        raise SystemExit(write_failure(out_dir, state["digest"], final, writing, e)) from e
     _set_link(root, "latest", final.name)
     if best:
         _set_link(root, "best", final.name)
-    prune(out_dir, keep)
+    prune(out_dir, state["digest"], keep)
     return final
 
 
-def prune(out_dir: str | Path, keep: int = 2) -> None:
-    """Keep the newest ``keep`` complete checkpoints and ``best``; remove the rest and stale temporaries."""
+def write_failure(out_dir: str | Path, digest: str, final: Path, writing: str, error: Exception) -> str:
+    """One sentence for a checkpoint that could not be written: which, why, and what to do."""
+    root = Path(out_dir) / "checkpoints"
+    text = str(error)
+    if (isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)) or "unexpected pos" in text \
+            or "os error 28" in text:
+        why = "the disk is full"
+    else:
+        why = error.strerror if isinstance(error, OSError) and error.strerror else " ".join(text.split())[:200]
+    resumable = [c for c in complete_checkpoints(out_dir) if marker_digest(c) == digest]
+    resumes = f"from {resumable[-1].name}" if resumable else "from the start"
+    free = human_bytes(shutil.disk_usage(root).free)
+    return (f"cannot write checkpoint {final}: writing {writing} failed ({why}; {free} free there); free space in "
+            f"{root} and rerun, training resumes {resumes}")
+
+
+def prune(out_dir: str | Path, digest: str, keep: int = 2) -> None:
+    """Keep the newest ``keep`` complete checkpoints of these settings and ``best``; remove the rest
+    (other settings' checkpoints, superseded ones, stale temporaries). Called once a new checkpoint
+    is complete on disk, so what it removes has been replaced."""
     root = Path(out_dir) / "checkpoints"
     best = root / "best"
-    protected = {p.name for p in complete_checkpoints(out_dir)[-keep:]}
+    protected = {p.name for p in [c for c in complete_checkpoints(out_dir) if marker_digest(c) == digest][-keep:]}
     if best.is_symlink():
         protected.add(os.readlink(best))
     for p in root.iterdir():
         if p.is_symlink() or p.name in protected:
             continue
-        if p.name.startswith((".tmp-", "step-")):
+        if p.name.startswith((".tmp-", "step-", SUPERSEDED)):
             if p.is_dir():
                 shutil.rmtree(p)
             else:
                 p.unlink()
+
+
+def marker_digest(ckpt: Path) -> str | None:
+    try:
+        return read_json_object(ckpt / MARKER, "checkpoint marker").get("digest")
+    except ValueError:
+        return None
+
+
+def supersede(out_dir: str | Path) -> int:
+    """Rename the complete checkpoints out of resume's way (a finished training that is retrained
+    from scratch); prune removes them once the new training has its first checkpoint."""
+    ckpts = complete_checkpoints(out_dir)
+    for ckpt in ckpts:
+        ckpt.rename(ckpt.with_name(SUPERSEDED + ckpt.name))
+    return len(ckpts)
 
 
 def damage(ckpt: Path, marker: dict) -> str | None:
@@ -127,7 +173,7 @@ def find_resume(out_dir: str | Path, digest: str) -> tuple[Path, dict, list[dict
     state, metrics rows up to its step).
 
     Damaged checkpoints are skipped for the previous one; checkpoints from other settings are
-    reported and, when none fits, removed: the run starts fresh.
+    reported and left where they are (the next save prunes them): when none fits, the run starts fresh.
     """
     ckpts = complete_checkpoints(out_dir)
     for ckpt in reversed(ckpts):
@@ -143,23 +189,43 @@ def find_resume(out_dir: str | Path, digest: str) -> tuple[Path, dict, list[dict
         problem = problem or damage(ckpt, marker)
         if problem is None:
             try:
-                state = torch.load(ckpt / STATE, weights_only=True)
-                rows = [json.loads(line) for line in (ckpt / METRICS).read_text().splitlines()]
-                return ckpt, state, rows
-            except (pickle.UnpicklingError, RuntimeError, json.JSONDecodeError) as e:
-                problem = f"cannot be loaded as plain data: {e}".splitlines()[0]
+                return ckpt, *load_state(ckpt)
+            except ValueError as e:
+                problem = str(e)
         log.warning("checkpoint %s is damaged (%s): falling back to the previous complete checkpoint",
                     ckpt, problem)
-    root = Path(out_dir) / "checkpoints"
-    if root.is_dir() and any(root.iterdir()):
-        log.warning("no intact checkpoint in %s matches the current settings: starting fresh and removing "
-                    "%d old checkpoint(s)", root, len(ckpts))
-        remove_all(out_dir)
+    if ckpts:
+        log.warning("no intact checkpoint in %s matches the current settings: starting fresh; its %d "
+                    "checkpoint(s) stay until the first new one is written", Path(out_dir) / "checkpoints", len(ckpts))
     return None
 
 
-def remove_all(out_dir: str | Path) -> None:
-    shutil.rmtree(Path(out_dir) / "checkpoints", ignore_errors=True)
+def load_state(ckpt: Path) -> tuple[dict, list[dict]]:
+    """The trainer state and metrics rows of ``ckpt``; ValueError says in our words why they cannot be loaded."""
+    try:
+        state = torch.load(ckpt / STATE, weights_only=True)
+    except pickle.UnpicklingError:
+        # torch's message carries terminal escapes and advice on loading the file anyway: not ours to pass on
+        raise ValueError(f"{STATE} cannot be loaded as plain data: it holds objects other than tensors and "
+                         "plain containers, and loading those could run code, so it was not loaded") from None
+    except (RuntimeError, EOFError) as e:
+        raise ValueError(f"{STATE} is not a readable torch file") from e
+    try:
+        return state, read_metrics(ckpt)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{METRICS} is not one JSON object per line") from e
+
+
+def read_metrics(ckpt: Path) -> list[dict]:
+    return [json.loads(line) for line in (ckpt / METRICS).read_text().splitlines()]
+
+
+def intact(ckpt: Path) -> str | None:
+    """What is wrong with a complete checkpoint's marker and files, or None."""
+    try:
+        return damage(ckpt, read_json_object(ckpt / MARKER, "checkpoint marker"))
+    except ValueError as e:
+        return str(e)
 
 
 def load_weights(model, ckpt: Path) -> None:

@@ -16,6 +16,7 @@ target. What vLLM 0.26.0 cannot serve as trained (serving_limits.py) is refused.
 from __future__ import annotations
 
 import argparse
+import filecmp
 import json
 import os
 import shlex
@@ -27,7 +28,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from . import mla_draft
-from .atomic import atomic_dir, read_json_object
+from .atomic import publish_dir, read_json_object, staged_dir, write_json
+from .checksum import CHECKSUM, file_checksum
 from .draft_model import load_target_embedding
 from .layers import aux_layer_ids
 from .serving_limits import DRAFT_ARCHS, NORM_FLAGS, aux_count_error, rope_error
@@ -35,6 +37,9 @@ from .serving_limits import DRAFT_ARCHS, NORM_FLAGS, aux_count_error, rope_error
 SUMMARY_KEYS = ("best", "last", "steps", "best_eval", "layer_ids", "aux_layer_ids", "target_model",
                 "draft_vocab_size", "ttt_steps")
 EMBED = "embed_tokens.weight"
+DRAFT = ("config.json", "model.safetensors")
+# which checkpoint the draft beside it was exported from: the rule's declared output (rules/export.smk)
+RECORD = "export.json"
 
 
 class ExportError(ValueError):
@@ -205,17 +210,37 @@ def export_draft(summary_path: str, which: str, verifier_name: str, k: int, drop
     tensors = {n: (t.to(torch.bfloat16) if t.is_floating_point() else t).contiguous() for n, t in tensors.items()}
 
     out = Path(out_dir)
-    if out.exists() and any(out.iterdir()):
-        raise ExportError(f"--out-dir {out} already holds {sorted(p.name for p in out.iterdir())}; "
-                          f"a delivered draft is never overwritten, delete it on purpose (rm -rf {shlex.quote(str(out))}) "
-                          f"and run again")
-    with atomic_dir(out) as tmp:  # an empty out-dir (Snakemake may create it) is replaced
+    with staged_dir(out) as tmp:
         (tmp / "config.json").write_text(json.dumps(written_cfg, indent=2, sort_keys=True) + "\n")
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         validate_export(tmp)
         (mla_roundtrip_check if mla else roundtrip_check)(tmp, summary["target_model"], tensors, out)
-    return {"checkpoint": str(ckpt), "out_dir": str(out), "embedding_bytes_saved": saved,
+        record = {"checkpoint": str(ckpt), "files": {name: {"bytes": (tmp / name).stat().st_size,
+                                                            CHECKSUM: file_checksum(tmp / name)} for name in DRAFT}}
+        kept = deliver(tmp, out, ckpt)
+        write_json(out / RECORD, record)
+    return {"checkpoint": str(ckpt), "out_dir": str(out), "embedding_bytes_saved": saved, "kept": kept,
             "bytes": (out / "model.safetensors").stat().st_size}
+
+
+def deliver(staged: Path, out: Path, ckpt: Path) -> bool:
+    """Put the staged export in ``out``, or keep the delivered draft there when it is this export
+    byte for byte (True); any other content of ``out`` is left as it is and refused, so the
+    directory and the message always agree."""
+    held = sorted(p.name for p in out.iterdir() if p.name != RECORD) if out.is_dir() else []
+    if not held:
+        publish_dir(staged, out)
+        for name in DRAFT:  # read-only, as Snakemake's protected() leaves a file
+            (out / name).chmod((out / name).stat().st_mode & ~0o222)
+        return False
+    differs = [name for name in DRAFT if not (out / name).is_file()
+               or not filecmp.cmp(staged / name, out / name, shallow=False)]
+    if not differs:
+        return True
+    what = (f"a delivered draft whose {' and '.join(differs)} differ{'s' if len(differs) == 1 else ''} from this "
+            f"export of {ckpt}" if set(DRAFT) <= set(held) else "no complete draft")
+    raise ExportError(f"--out-dir {out} holds {held}, {what}, and is left as it is: a delivered draft is never "
+                      f"overwritten, delete it on purpose (rm -rf {shlex.quote(str(out))}) and run again")
 
 
 def validate_export(draft_dir: str | os.PathLike) -> dict:
@@ -315,7 +340,11 @@ def main(argv: list[str] | None = None) -> None:
                             args.drop_embedding, args.out_dir)
     except ExportError as e:
         raise SystemExit(f"export_draft: {e}") from None
-    print(f"exported {info['checkpoint']} -> {info['out_dir']} ({info['bytes']:,} bytes of weights)")
+    if info["kept"]:
+        print(f"kept {info['out_dir']}: the delivered draft there is this export of {info['checkpoint']}, "
+              "byte for byte")
+    else:
+        print(f"exported {info['checkpoint']} -> {info['out_dir']} ({info['bytes']:,} bytes of weights)")
     if args.drop_embedding:
         print(f"embed_tokens left out: {info['embedding_bytes_saved']:,} bytes saved (vLLM shares the target's)")
     sys.stdout.flush()

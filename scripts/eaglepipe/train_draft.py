@@ -27,6 +27,7 @@ import torch
 from . import checkpoints
 from .acceptance import DRAFT_VOCAB_KEY, EXPLANATIONS, OVERALL, add_strata_arguments
 from .atomic import atomic_path, sha256_file, write_json
+from .code_digest import code_digest
 from .dir_lock import dir_lock
 from .draft_model import LOSS_IMPLEMENTATION
 from .model_dir import check_model_dir
@@ -170,6 +171,18 @@ def train(args, stop_after: int | None = None) -> dict | None:
     log.info("target %s, layer ids %s (aux %s), %d thread(s), device %s, world size %d, settings digest %s",
              args.model, layer_ids, aux_ids, threads, device, world, digest)
 
+    code = code_digest(Path(__file__).parent, "train_draft")
+    # rank 0 decides (and moves a finished training of other code aside) before the others look
+    resume = reusable_or_superseded(out, digest, code, args.max_steps) if main_rank else None
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+        if not main_rank:
+            resume = checkpoints.find_resume(out, digest)
+    if resume and resume[1]["step"] >= args.max_steps:
+        return reuse(args, out, *resume, layer_ids, aux_ids, main_rank)
+
     random.seed(args.seed)
     torch.manual_seed(args.seed)
     model = new_draft(args, aux_ids, device)
@@ -182,19 +195,6 @@ def train(args, stop_after: int | None = None) -> dict | None:
     evaluation = Evaluation(manifest, "eval", args.model, args.context_buckets, args.trust_remote_code, device)
     check_select_by(args.select_by, evaluation.strata)
 
-    # resume: rank 0 decides (and clears checkpoints of other settings) before the others look
-    resume = checkpoints.find_resume(out, digest) if main_rank else None
-    if resume and resume[1]["step"] >= args.max_steps:
-        # the training finished: a job over it was forced (--forcerun train_draft) and trains anew
-        log.info("retraining from scratch: %s ends a finished training", resume[0])
-        checkpoints.remove_all(out)
-        resume = None
-    if world > 1:
-        import torch.distributed as dist
-
-        dist.barrier()
-        if not main_rank:
-            resume = checkpoints.find_resume(out, digest)
     step, position, train_tokens, evals, best, rows = 0, (0, 0), 0, {}, None, []
     if resume:
         ckpt, state, rows = resume
@@ -283,7 +283,7 @@ def train(args, stop_after: int | None = None) -> dict | None:
                 if main_rank:
                     state = {"optimization": optimization.state_dict(),
                              "position": list(position), "rng": rng_state(), "step": step, "world_size": world,
-                             "digest": digest, "settings": settings, "train_tokens": train_tokens,
+                             "digest": digest, "code": code, "settings": settings, "train_tokens": train_tokens,
                              "evals": evals, "best": best}
                     path = checkpoints.save(out, step, model, state, metrics.rows, best=is_best)
                     log.info("checkpoint %s%s", path, " (best so far)" if is_best else "")
@@ -292,7 +292,58 @@ def train(args, stop_after: int | None = None) -> dict | None:
             if stop_after is not None and step >= stop_after:
                 return None
 
-    summary = {
+    summary = training_summary(args, step, best, evals, train_tokens, layer_ids, aux_ids, draft_vocab)
+    if main_rank:
+        metrics.save()
+        write_json(out / "summary.json", summary)
+        log.info("done: best %s (acceptance length %s), last %s (acceptance length %s)", summary["best"],
+                 summary["best_eval"]["acceptance_length"], summary["last"], summary["last_eval"]["acceptance_length"])
+    return summary
+
+
+def reusable_or_superseded(out: Path, digest: str, code: str, max_steps: int):
+    """find_resume's checkpoint, unless it ends a finished training that cannot be reused: made by
+    other code, or whose best checkpoint is damaged. That one is retrained from scratch, its
+    checkpoints moved aside (checkpoints.supersede) and removed only once the new training's first
+    checkpoint is on disk."""
+    resume = checkpoints.find_resume(out, digest)
+    if not resume or resume[1]["step"] < max_steps:
+        return resume
+    ckpt, state, _ = resume
+    why = None
+    if state.get("code") != code:
+        why = f"it was made by other code (code digest {state.get('code')}, now {code})"
+    else:
+        best = ckpt.with_name(checkpoints.step_name(state["best"]["step"]))
+        problem = checkpoints.intact(best) if best.is_dir() else "it is missing"
+        if problem:
+            why = f"its best checkpoint {best} is damaged ({problem})"
+    if why is None:
+        return resume
+    log.info("retraining from scratch: %s ends a finished training, but %s; its %d checkpoint(s) are kept as "
+             "%s* until the new training's first checkpoint is written", ckpt, why, checkpoints.supersede(out),
+             checkpoints.SUPERSEDED)
+    return None
+
+
+def reuse(args, out: Path, ckpt: Path, state: dict, rows: list[dict], layer_ids, aux_ids, main_rank: bool) -> dict:
+    """The outputs of a finished training with these settings, data and code, from its checkpoints:
+    whatever made the job run again (a regenerated identical manifest, --forcerun), no step is redone."""
+    config = json.loads((ckpt / "config.json").read_text())
+    summary = training_summary(args, state["step"], state["best"], state["evals"], state["train_tokens"], layer_ids,
+                               aux_ids, int(config["draft_vocab_size"]))
+    if main_rank:
+        MetricsLog(out / "metrics.jsonl", rows, enabled=True)
+        write_json(out / "summary.json", summary)
+    log.info("reusing the finished training %s (same settings, data and code): no step to run; to retrain from "
+             "scratch, delete %s and run again", ckpt, out)
+    return summary
+
+
+def training_summary(args, step: int, best: dict, evals: dict, train_tokens: int, layer_ids, aux_ids,
+                     draft_vocab: int) -> dict:
+    """summary.json, which the exporter reads."""
+    return {
         "best": f"checkpoints/{checkpoints.step_name(best['step'])}",
         "last": f"checkpoints/{checkpoints.step_name(step)}",
         "steps": step,
@@ -309,12 +360,6 @@ def train(args, stop_after: int | None = None) -> dict | None:
         "optimizer_state_dtypes": optimization.state_dtypes(),
         "peak_gpu_memory_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 3) if device.type == "cuda" else None,
     }
-    if main_rank:
-        metrics.save()
-        write_json(out / "summary.json", summary)
-        log.info("done: best %s (acceptance length %s), last %s (acceptance length %s)", summary["best"],
-                 summary["best_eval"]["acceptance_length"], summary["last"], summary["last_eval"]["acceptance_length"])
-    return summary
 
 
 def main(argv=None) -> None:
