@@ -19,7 +19,7 @@ rule model_card:
             *[rules.benchmark_serving] * bool(config["benchmark_serving"]["enabled"]),
         ),
     output:
-        protected("results/{run}/draft/README.md"),
+        "results/{run}/draft/README.md",
     log:
         "results/{run}/logs/model_card.log",
     conda:
