@@ -1,5 +1,3 @@
-import hashlib
-import json
 import os
 import re
 import shlex
@@ -25,6 +23,7 @@ from eaglepipe.config_check import (
     names_target,
     target_errors,
 )
+from eaglepipe.settings import stage_flags
 
 _schema = load_schema(str(REPO / "config" / "config.schema.yaml"))
 coerce_cli_strings(config, _schema)
@@ -122,51 +121,15 @@ def chat_template_sha256():
     return sha256_file(path) if path else None
 
 
-def chat_template_flags():
-    """The template override and kwargs as prepare_data takes them, shell-quoted (as params, a
-    change of either reruns prepare_data and what follows)."""
-    data = config["data"]
-    flags = ["--rerendered-turns", data["rerendered_turns"]]
-    if data["chat_template"]:
-        flags += ["--chat-template", data["chat_template"]]
-    if data["chat_template_kwargs"]:
-        flags += [
-            "--chat-template-kwargs",
-            json.dumps(data["chat_template_kwargs"], sort_keys=True),
-        ]
-    return " ".join(shlex.quote(f) for f in flags)
+def settings_flags(stage, *groups, overrides=None):
+    """The flags of ``stage``'s setting groups (all when none are named) from the config; a group
+    given as a param reruns the rule when one of its settings changes (eaglepipe/settings.py).
+    """
+    return stage_flags(config, stage, *groups, overrides=overrides)
 
 
 def verifier_name():
     return deploy_name(config["target"])
-
-
-def trust_flag():
-    return "--trust-remote-code" if config["target"]["trust_remote_code"] else ""
-
-
-def revision_flag():
-    rev = config["target"]["revision"]
-    return f"--revision {rev}" if rev else ""
-
-
-def vllm_engine_flags(eager=True):
-    """How much of the machine each vLLM engine takes: extract.gpu_memory_utilization,
-    vllm.kv_cache_gib (none: vLLM sizes the cache) and, where ``eager``, extract.enforce_eager (the
-    serving benchmark runs as vLLM serves, with its CUDA graphs)."""
-    x, gib = config["extract"], config["vllm"]["kv_cache_gib"]
-    flags = [
-        f"--gpu-memory-utilization {x['gpu_memory_utilization']}",
-        "--enforce-eager" if eager and x["enforce_eager"] else "",
-        "" if gib is None else f"--kv-cache-gib {gib}",
-    ]
-    return " ".join(f for f in flags if f)
-
-
-def parity_requests_flag():
-    """benchmark_serving's parity window in requests; none = every prompt once (its default)."""
-    n = config["benchmark_serving"]["parity"]["min_requests"]
-    return "" if n is None else f"--parity-min-requests {n}"
 
 
 def extract_gpus():
@@ -174,11 +137,6 @@ def extract_gpus():
     if ex["backend"] == "vllm":
         return ex["tensor_parallel_size"]
     return 1 if ex["device"] == "cuda" else 0
-
-
-def layer_ids_arg():
-    ids = config["extract"]["layer_ids"]
-    return ",".join(str(i) for i in ids) if ids else "auto"
 
 
 def num_speculative_tokens():
@@ -199,11 +157,6 @@ def parity_k():
             "replays the concurrency-1 window"
         )
     return k
-
-
-def serving_list_arg(key):
-    """A benchmark_serving list as the CLI takes it: comma-separated."""
-    return ",".join(str(v) for v in config["benchmark_serving"][key])
 
 
 def replica_parts(wildcards):
@@ -352,7 +305,7 @@ def prepare_data_source(wildcards, input):
         data = f"--data {config['data']['path']} --max-samples {config['data']['max_samples'] or 0}"
     if config["evaluate"]["prompts"]:
         return f"{data} --eval-data {input.eval_data} --eval-fraction 0"
-    return f"{data} --eval-fraction {config['data']['eval_fraction']}"
+    return f"{data} {settings_flags('prepare_data', 'split')}"
 
 
 REGENERATED_EVAL = "results/{run}/regenerated/eval_prompts.jsonl"
@@ -367,9 +320,6 @@ EVAL_PROMPTS_SAMPLING = {
     "answers_per_conversation": 1,
     "loop_retries": 0,
 }
-REGENERATE_SAMPLING = tuple(
-    EVAL_PROMPTS_SAMPLING
-)  # the regenerate.* keys a training job takes
 
 
 def eval_data_input():
@@ -385,17 +335,10 @@ def eval_prompts_source_input(wildcards=None):
 def regenerate_modes():
     """regenerate.modes as the CLI takes them: data.chat_template_kwargs under each mode's own."""
     base = config["data"]["chat_template_kwargs"]
-    modes = [
+    return [
         {**m, "chat_template_kwargs": {**base, **m["chat_template_kwargs"]}}
         for m in config["regenerate"]["modes"]
     ]
-    return json.dumps(modes, sort_keys=True)
-
-
-def regenerate_template_flag():
-    """The template override, which regeneration uses only for a tokenizer without a template."""
-    path = config["data"]["chat_template"]
-    return f"--chat-template {shlex.quote(path)}" if path else ""
 
 
 def regenerate_gpus():
@@ -405,55 +348,32 @@ def regenerate_gpus():
     return 1 if rg["device"] == "cuda" else 0
 
 
-def regenerate_engine_flags():
-    """How a regeneration job uses the machine, not what it answers: the parts' keys leave these
-    out, and the rules pass them as a resource, which no Snakemake rerun trigger looks at, so
-    changing one reruns nothing (as params they would rerun training and all after it).
-    """
-    return (
-        f"{vllm_engine_flags()} --hf-batch-size {config['regenerate']['hf_batch_size']}"
-    )
-
-
 def regenerate_params(data, max_samples, sampling):
-    """Every parameter of one regeneration job; `sampling` holds the answer settings."""
-    rg = config["regenerate"]
+    """Every parameter of one regeneration job; ``sampling``: regenerate.* values given instead of
+    the config's. How the job uses the machine is not among them: the rules pass the group "engine"
+    as a resource, which no Snakemake rerun trigger looks at, so changing it reruns nothing (as
+    params it would rerun training and all after it); the parts' keys leave it out too.
+    """
+    overrides = {f"regenerate.{k}": v for k, v in sampling.items()}
     return dict(
         data=data,
         model=target_arg,
-        revision=revision_flag(),
-        trust=trust_flag(),
         max_samples=max_samples,
         max_prompt_len=config["data"]["max_length"],
-        backend=rg["backend"],
-        device=rg["device"],
-        dtype=config["target"]["dtype"],
-        tp=config["extract"]["tensor_parallel_size"],
-        max_model_len=config["extract"]["max_model_len"],
-        seed=rg["seed"],
-        modes=regenerate_modes(),
-        template=regenerate_template_flag(),
+        settings=settings_flags(
+            "regenerate_responses",
+            "answers",
+            overrides={"regenerate.modes": regenerate_modes(), **overrides},
+        ),
         template_sha256=chat_template_sha256(),
-        loop_ngram=rg["loop_ngram"],
-        loop_share=rg["loop_min_distinct_share"],
-        batch_size=rg["batch_size"],
         parts=lambda wc, output: os.path.splitext(output.chats)[0] + "-parts",
         code=code_digest("regenerate_responses"),
-        **sampling,
     )
 
 
 REGENERATE_SHELL = (
     f"{VLLM_ENV} {STAGE}.regenerate_responses "
     "--data {params.data} --out {output.chats} --stats {output.stats} --parts-dir {params.parts} "
-    "--model {params.model} {params.revision} {params.trust} --backend {params.backend} "
-    "--device {params.device} --dtype {params.dtype} --tensor-parallel-size {params.tp} "
-    "--max-model-len {params.max_model_len} {resources.engine} --max-samples {params.max_samples} --max-prompt-len {params.max_prompt_len} "
-    "--turns {params.turns} --temperature {params.temperature} "
-    "--top-p {params.top_p} --max-new-tokens {params.max_new_tokens} --seed {params.seed} "
-    "--modes {params.modes:q} {params.template} --on-truncated {params.on_truncated} --on-loop {params.on_loop} "
-    "--loop-ngram {params.loop_ngram} --loop-min-distinct-share {params.loop_share} "
-    "--answers-per-conversation {params.answers_per_conversation} --loop-retries {params.loop_retries} "
-    "--batch-size {params.batch_size} "
-    "> {log} 2>&1"
+    "--model {params.model} --max-samples {params.max_samples} --max-prompt-len {params.max_prompt_len} "
+    "{params.settings} {resources.engine} > {log} 2>&1"
 )

@@ -47,21 +47,14 @@ rule prepare_data:
     params:
         data=prepare_data_source,
         model=target_arg,
-        max_length=config["data"]["max_length"],
-        too_long=config["data"]["too_long"],
-        seed=config["data"]["seed"],
-        template=chat_template_flags(),
+        settings=settings_flags("prepare_data", "data"),
         template_sha256=chat_template_sha256(),
-        trust=trust_flag(),
-        revision=revision_flag(),
         outdir=lambda wc, output: os.path.dirname(output.train),
         code=code_digest("prepare_data"),
     shell:
         f"{STAGE}.prepare_data "
-        "{params.data} --model {params.model} {params.revision} "
-        "{params.trust} --out-dir {params.outdir} "
-        "--max-length {params.max_length} --too-long {params.too_long} "
-        "--seed {params.seed} {params.template} > {log} 2>&1"
+        "{params.data} --model {params.model} --out-dir {params.outdir} "
+        "{params.settings} > {log} 2>&1"
 
 
 rule vocab_mapping:
@@ -75,9 +68,8 @@ rule vocab_mapping:
     conda:
         "../envs/eaglepipe.yaml"
     params:
-        size=config["draft"]["vocab_size"],
+        settings=settings_flags("vocab_mapping"),
         code=code_digest("vocab_mapping"),
     shell:
         f"{STAGE}.vocab_mapping "
-        "--token-freq {input.token_freq} "
-        "--draft-vocab-size {params.size} --out {output} > {log} 2>&1"
+        "--token-freq {input.token_freq} {params.settings} --out {output} > {log} 2>&1"

@@ -23,31 +23,18 @@ rule extract_hidden_states:
         gpu=extract_gpus(),
         # where vLLM's files wait changes no shard (RESULT_NEUTRAL in extract_hidden_states.py): a
         # resource, which no rerun trigger looks at, so moving it reruns nothing
-        staging_dir=config["extract"]["staging_dir"],
+        staging=settings_flags("extract_hidden_states", "staging"),
     params:
         model=target_arg,
-        revision=revision_flag(),
-        trust=trust_flag(),
-        backend=config["extract"]["backend"],
-        device=config["extract"]["device"],
-        tp=config["extract"]["tensor_parallel_size"],
-        layer_ids=layer_ids_arg(),
-        batch_size=config["extract"]["batch_size"],
-        storage=config["extract"]["storage_dtype"],
-        dtype=config["target"]["dtype"],
-        max_model_len=config["extract"]["max_model_len"],
-        engine=vllm_engine_flags(),
+        settings=settings_flags("extract_hidden_states", "shards"),
         shard_dir=lambda wc, output: os.path.join(
             os.path.dirname(os.path.dirname(output.part)), "shards"
         ),
         code=code_digest("extract_hidden_states"),
     shell:
         f"{VLLM_ENV} {STAGE}.extract_hidden_states "
-        "--train {input.train} --eval {input.eval} "
-        "--model {params.model} {params.revision} {params.trust} --backend {params.backend} "
-        "--device {params.device} --tensor-parallel-size {params.tp} --layer-ids {params.layer_ids} "
-        "--batch-size {params.batch_size} --storage-dtype {params.storage} --dtype {params.dtype} "
-        "--max-model-len {params.max_model_len} {params.engine} --staging-dir {resources.staging_dir:q} --shard-dir {params.shard_dir} --replica {wildcards.i} "
+        "--train {input.train} --eval {input.eval} --model {params.model} {params.settings} "
+        "{resources.staging} --shard-dir {params.shard_dir} --replica {wildcards.i} "
         "--replicas {wildcards.r} --out {output.part} > {log} 2>&1"
 
 

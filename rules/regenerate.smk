@@ -33,12 +33,12 @@ rule regenerate_responses:
     threads: 4
     resources:
         gpu=regenerate_gpus(),
-        engine=regenerate_engine_flags(),
+        engine=settings_flags("regenerate_responses", "engine"),
     params:
         **regenerate_params(
             config["data"]["path"],
             config["data"]["max_samples"] or 0,
-            {k: config["regenerate"][k] for k in REGENERATE_SAMPLING},
+            {},
         ),
     shell:
         REGENERATE_SHELL
@@ -67,7 +67,7 @@ rule regenerate_eval_prompts:
     threads: 4
     resources:
         gpu=regenerate_gpus(),
-        engine=regenerate_engine_flags(),
+        engine=settings_flags("regenerate_responses", "engine"),
     params:
         **regenerate_params(config["evaluate"]["prompts"], 0, EVAL_PROMPTS_SAMPLING),
     shell:

@@ -25,20 +25,20 @@ from pathlib import Path
 import torch
 
 from . import checkpoints
-from .acceptance import DRAFT_VOCAB_KEY, EXPLANATIONS, OVERALL, add_strata_arguments
+from .acceptance import DRAFT_VOCAB_KEY, EXPLANATIONS
 from .atomic import atomic_path, sha256_file, write_json
 from .dir_lock import dir_lock
 from .draft_model import LOSS_IMPLEMENTATION
 from .model_dir import check_model_dir
 from .layers import aux_layer_ids, validate_layer_ids
-from .packed_data import GLOBAL, ROW_LOADERS, PackedRows, shuffle_buffer, shuffle_window
+from .packed_data import ROW_LOADERS, PackedRows, shuffle_buffer, shuffle_window
 from .progress import TokenProgress
 from .runtime import all_reduce, rng_state, set_rng_state, set_threads, setup_distributed
-from .serving_limits import ARCHITECTURES
+from .settings import add_stage_arguments, leaf
 from .shards import load_manifest
 
 log = logging.getLogger("eaglepipe.train_draft")
-OPTIMIZERS = ("adamw", "muon")  # speculators 0.9.0's (speculators/train/optimizers.py)
+OPTIMIZERS = tuple(leaf("train", "optimizer")["enum"])  # speculators 0.9.0's (speculators/train/optimizers.py)
 FROZEN, TRAINED = "frozen", "trained"
 LM_HEADS = (FROZEN, TRAINED)
 
@@ -48,44 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--manifest", required=True, help="hidden-state manifest.json")
     p.add_argument("--vocab", required=True, help="vocab_mapping.safetensors (d2t, t2d)")
     p.add_argument("--model", required=True, help="target model directory (embeddings, final norm, lm_head)")
-    p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--out-dir", required=True)
-    p.add_argument("--draft-architecture", default="auto", choices=ARCHITECTURES,
-                   help="decoder layer: mla for MLA targets under auto, else llama (serving_limits.resolve_architecture)")
-    p.add_argument("--draft-mlp-width", type=int, default=None, help="dense MLP width (default: the target's)")
-    p.add_argument("--draft-layers", type=int, default=1,
-                   help="decoder layers of the draft (EAGLE-3's is 1; more only for the llama architecture)")
-    p.add_argument("--lm-head", default=FROZEN, choices=LM_HEADS,
-                   help=f"the draft's lm_head (the target's rows of the draft vocabulary to start with): {FROZEN}, as "
-                        f"speculators keeps it, or {TRAINED} (by AdamW under either optimizer), as EAGLE-3's and "
-                        "SpecForge's trainers do")
-    p.add_argument("--ttt-steps", type=int, default=3)
-    p.add_argument("--ttt-step-loss-decay", type=float, default=1.0)
-    p.add_argument("--optimizer", default="muon", choices=OPTIMIZERS,
-                   help="muon: torch's Muon on the decoder's 2-D weight matrices at --lr (its update scaled to "
-                        "AdamW's RMS) and AdamW on the rest (speculators' build_optimizers, its defaults); or adamw")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--muon-weight-decay", type=float, default=None,
-                   help="weight decay of the Muon group (--optimizer muon); default speculators' (0.1 in 0.9.0)")
-    p.add_argument("--warmup-steps", type=int, default=20)
-    p.add_argument("--max-steps", type=int, default=1000)
-    p.add_argument("--batch-tokens", type=int, default=8192)
-    p.add_argument("--shuffle-buffer-gib", type=shuffle_buffer, default=GLOBAL,
-                   help=f"{GLOBAL} (one permutation of the split, each sample read from its memory-mapped shard), or "
-                        "the memory for the shards whose samples are shuffled together (packed_data.shuffle_window); "
-                        "0 = each shard's samples alone")
+    add_stage_arguments(p, "train_draft", types={"shuffle_buffer_gib": shuffle_buffer})
     p.add_argument("--row-loader", default="thread", choices=ROW_LOADERS,
                    help="what packs the next rows during a step: a thread, or a worker process (the GIL stays "
                         "with the step; rows cross in shared memory); the rows are the same")
-    p.add_argument("--eval-every", type=int, default=200)
-    p.add_argument("--checkpoint-every", type=int, default=200)
-    p.add_argument("--loss", default="kl_div", help="a speculators loss name (kl_div, ce, ...) or a JSON mix")
-    p.add_argument("--seed", type=int, default=0)
-    add_strata_arguments(p)
-    p.add_argument("--select-by", default=OVERALL,
-                   help="eval AL the best checkpoint is chosen by: overall (per token), as_served (per draft, as "
-                        "vLLM counts) or <stratum>:<label> (e.g. context:<=2048, category:coding)")
     return p
 
 
