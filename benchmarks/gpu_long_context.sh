@@ -28,7 +28,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PRESET=config/presets/smollm2-h200.yaml
 W=results/long-context
-BUCKETS="512 1024 2048 4096 8192"
+BUCKETS="512,1024,2048,4096,8192"
 MODEL=results/models/SmolLM2-135M-Instruct
 mkdir -p "$W"
 export HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 PYTHONUNBUFFERED=1
@@ -71,7 +71,7 @@ longset() {  # longset DEVICE: the long set's samples and hidden states, then bo
     --max-length 8000 --too-long truncate --eval-fraction 0.5 > "$W/longset_prepare.log" 2>&1 || return 1
   cat "$L/data/train.jsonl" "$L/data/eval.jsonl" > "$L/samples.jsonl" && : > "$L/none.jsonl" || return 1
   python3 -m eaglepipe.extract_hidden_states --train "$L/none.jsonl" --eval "$L/samples.jsonl" --model "$MODEL" \
-    --backend hf --device "$1" --layer-ids auto --batch-size 8 --dtype bfloat16 --shard-dir "$L/hs/shards" \
+    --backend hf --device "$1" --batch-size 8 --dtype bfloat16 --shard-dir "$L/hs/shards" \
     --out "$L/hs/parts/replica-0-of-1.json" > "$W/longset_extract.log" 2>&1 || return 1
   python3 -m eaglepipe.gather_manifest --out "$L/hs/manifest.json" "$L/hs/parts/replica-0-of-1.json" \
     > "$W/longset_gather.log" 2>&1 || return 1

@@ -176,6 +176,7 @@ def _item_kind(spec: dict) -> str | None:
 
 
 SCALARS = {"integer": int, "number": float, "string": str}
+ITEM_NAMES = {int: "integers", float: "numbers"}
 
 
 def _comma_list(item: type):
@@ -183,7 +184,7 @@ def _comma_list(item: type):
         try:
             return [item(v) for v in text.split(",")]
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated {item.__name__}s") from None
+            raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated {ITEM_NAMES[item]}") from None
     return parse
 
 
