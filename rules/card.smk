@@ -26,7 +26,7 @@ rule model_card:
         "../envs/eaglepipe.yaml"
     params:
         serving=lambda wc, input: f"--serving {input.serving}" if input.serving else "",
-        settings=settings_flags("model_card"),
+        settings=get_setting_flags("model_card"),
         code=code_digest("model_card"),
     shell:
         f"{STAGE}.model_card "

@@ -21,13 +21,21 @@ if config["target"]["build"]:
             "--recipe {params.recipe} --out {output} > {log} 2>&1"
 
 
+# the rules whose answers prepare_data reads
+REGENERATION_RULES = [rules.regenerate_responses] * bool(
+    config["regenerate"]["enabled"]
+) + [rules.regenerate_eval_prompts] * bool(config["evaluate"]["prompts"])
+
+
 rule prepare_data:
     input:
-        data=prepare_data_input(),
-        eval_data=eval_data_input(),
-        model=target_input(),
-        chat_template=chat_template_input(),
-        earlier=inputs_before(*regeneration_rules()),
+        # the target's regenerated answers when regenerate.enabled; the fixed evaluation set's
+        # when evaluate.prompts names one (else the eval split is drawn from the data)
+        data=REGENERATED if config["regenerate"]["enabled"] else get_data_input(),
+        eval_data=REGENERATED_EVAL if config["evaluate"]["prompts"] else [],
+        model=get_target_input(),
+        chat_template=get_chat_template_input(),
+        earlier=inputs_before(*REGENERATION_RULES),
     output:
         train="results/{run}/data/train.jsonl",
         eval="results/{run}/data/eval.jsonl",
@@ -45,10 +53,10 @@ rule prepare_data:
         "../envs/eaglepipe.yaml"
     threads: 2
     params:
-        data=prepare_data_source,
-        model=target_arg,
-        settings=settings_flags("prepare_data", "data"),
-        template_sha256=chat_template_sha256(),
+        data=get_prepare_data_source,
+        model=get_target_arg,
+        settings=get_setting_flags("prepare_data", "data"),
+        template_sha256=get_chat_template_sha256(),
         outdir=lambda wc, output: os.path.dirname(output.train),
         code=code_digest("prepare_data"),
     shell:
@@ -68,7 +76,7 @@ rule vocab_mapping:
     conda:
         "../envs/eaglepipe.yaml"
     params:
-        settings=settings_flags("vocab_mapping"),
+        settings=get_setting_flags("vocab_mapping"),
         code=code_digest("vocab_mapping"),
     shell:
         f"{STAGE}.vocab_mapping "

@@ -2,7 +2,7 @@ rule evaluate_offline:
     input:
         draft=rules.export_draft.output.weights,
         manifest=rules.gather_hidden_states.output.manifest,
-        model=target_input(),
+        model=get_target_input(),
         earlier=inputs_before(rules.export_draft, rules.gather_hidden_states),
     output:
         report(
@@ -16,10 +16,10 @@ rule evaluate_offline:
         "../envs/eaglepipe.yaml"
     threads: 2
     params:
-        model=target_arg,
+        model=get_target_arg,
         draft=lambda wc, input: os.path.dirname(input.draft),
         k=config["evaluate"]["k"] or config["train"]["ttt_steps"],
-        settings=settings_flags("evaluate", "offline"),
+        settings=get_setting_flags("evaluate", "offline"),
         code=code_digest("evaluate"),
     shell:
         f"{STAGE}.evaluate "
@@ -69,7 +69,7 @@ rule benchmark_serving:
         draft=rules.export_draft.output.config,
         eval=rules.prepare_data.output.eval,
         offline=rules.evaluate_offline.output[0],
-        model=target_input(),
+        model=get_target_input(),
         earlier=inputs_before(
             rules.export_draft, rules.prepare_data, rules.evaluate_offline
         ),
@@ -90,11 +90,11 @@ rule benchmark_serving:
     resources:
         gpu=config["extract"]["tensor_parallel_size"],
     params:
-        model=target_arg,
+        model=get_target_arg,
         serve_model=config["target"]["deploy_name"] or config["target"]["model"],
         draft=lambda wc, input: os.path.dirname(input.draft),
-        parity_k=lambda wc: parity_k(),
-        settings=settings_flags("benchmark_serving"),
+        parity_k=lambda wc: get_parity_k(),
+        settings=get_setting_flags("benchmark_serving"),
         code=code_digest("benchmark_serving"),
     shell:
         # the parity set is all held out: the extraction's train split is this empty file
@@ -111,7 +111,7 @@ use rule extract_hidden_states as extract_parity_hidden_states with:
     input:
         train=rules.benchmark_serving.output.no_train,
         eval=rules.benchmark_serving.output.samples,
-        model=target_input(),
+        model=get_target_input(),
         earlier=inputs_before(rules.benchmark_serving),
     output:
         part="results/{run}/eval/parity/parts/replica-{i}-of-{r}.json",
@@ -132,7 +132,7 @@ rule evaluate_parity:
             allow_missing=True,
         ),
         serving=rules.benchmark_serving.output.serving,
-        model=target_input(),
+        model=get_target_input(),
         earlier=inputs_before(
             rules.export_draft,
             rules.extract_parity_hidden_states,
@@ -150,10 +150,10 @@ rule evaluate_parity:
         "../envs/eaglepipe.yaml"
     threads: 2
     params:
-        model=target_arg,
+        model=get_target_arg,
         draft=lambda wc, input: os.path.dirname(input.draft),
-        k=lambda wc: parity_k(),
-        settings=settings_flags("evaluate", "parity"),
+        k=lambda wc: get_parity_k(),
+        settings=get_setting_flags("evaluate", "parity"),
         code=code_digest("evaluate"),
     shell:
         f"{STAGE}.evaluate "

@@ -11,9 +11,9 @@ rule export_draft:
     conda:
         "../envs/eaglepipe.yaml"
     params:
-        verifier=verifier_name(),
-        k=num_speculative_tokens(),
-        settings=settings_flags("export_draft"),
+        verifier=get_verifier_name(),
+        k=get_num_speculative_tokens(),
+        settings=get_setting_flags("export_draft"),
         outdir=lambda wc, output: os.path.dirname(output.config),
         code=code_digest("export_draft"),
     shell:

@@ -6,7 +6,7 @@ rule extract_hidden_states:
     input:
         train=rules.prepare_data.output.train,
         eval=rules.prepare_data.output.eval,
-        model=target_input(),
+        model=get_target_input(),
         earlier=inputs_before(rules.prepare_data),
     output:
         part="results/{run}/hidden_states/parts/replica-{i}-of-{r}.json",
@@ -20,13 +20,13 @@ rule extract_hidden_states:
         else "../envs/eaglepipe.yaml"
     threads: 4
     resources:
-        gpu=extract_gpus(),
+        gpu=get_extract_gpus(),
         # where vLLM's files wait changes no shard (RESULT_NEUTRAL in extract_hidden_states.py): a
         # resource, which no rerun trigger looks at, so moving it reruns nothing
-        staging=settings_flags("extract_hidden_states", "staging"),
+        staging=get_setting_flags("extract_hidden_states", "staging"),
     params:
-        model=target_arg,
-        settings=settings_flags("extract_hidden_states", "shards"),
+        model=get_target_arg,
+        settings=get_setting_flags("extract_hidden_states", "shards"),
         shard_dir=lambda wc, output: os.path.join(
             os.path.dirname(os.path.dirname(output.part)), "shards"
         ),
@@ -40,7 +40,7 @@ rule extract_hidden_states:
 
 rule gather_hidden_states:
     input:
-        parts=replica_parts,
+        parts=get_replica_parts,
         earlier=inputs_before(rules.extract_hidden_states),
     output:
         manifest="results/{run}/hidden_states/manifest.json",

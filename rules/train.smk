@@ -4,7 +4,7 @@ rule train_draft:
     input:
         manifest=rules.gather_hidden_states.output.manifest,
         vocab=rules.vocab_mapping.output[0],
-        model=target_input(),
+        model=get_target_input(),
         earlier=inputs_before(rules.gather_hidden_states, rules.vocab_mapping),
     output:
         summary="results/{run}/train/summary.json",
@@ -19,8 +19,8 @@ rule train_draft:
     resources:
         gpu=config["train"]["gpus"],
     params:
-        model=target_arg,
-        settings=settings_flags("train_draft"),
+        model=get_target_arg,
+        settings=get_setting_flags("train_draft"),
         launcher=(
             f"torchrun --standalone --nproc-per-node {config['train']['gpus']} -m"
             if config["train"]["gpus"] > 1
