@@ -280,7 +280,8 @@ def test_the_docs_restate_no_setting():
     """README.md and the configuration docs name keys and point to the schema."""
     docs = [REPO / "README.md", REPO / "config" / "README.md", *sorted((REPO / "docs").glob("*.md"))]
     found = [f for p in docs if p.is_file()
-             for f in restatements(p.name, p.read_text(), python=False) + readme_defaults(p.read_text())]
+             for f in restatements(p.name, p.read_text(), python=False)
+             + [f"{p.name}: {d}" for d in readme_defaults(p.read_text())]]
     assert not found, found
 
 
