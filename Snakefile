@@ -10,6 +10,7 @@ report: "report/workflow.rst"
 
 
 include: "rules/common.smk"
+include: "rules/rerun.smk"
 include: "rules/regenerate.smk"
 include: "rules/data.smk"
 include: "rules/extract.smk"

@@ -47,7 +47,7 @@ step() {  # step NAME OUTPUT cmd...: skipped when OUTPUT exists; logs to $W/NAME
 
 extract() {  # extract NAME TRAIN_JSONL EVAL_JSONL DIR: our hf extraction on the GPU, then the manifest
   step "$1" "$4/parts/replica-0-of-1.json" python3 -m eaglepipe.extract_hidden_states --train "$2" --eval "$3" \
-    --model "$W/target" --backend hf --device cuda --layer-ids auto --batch-size 32 --dtype bfloat16 \
+    --model "$W/target" --backend hf --device cuda --batch-size 32 --dtype bfloat16 \
     --shard-dir "$4/shards" --out "$4/parts/replica-0-of-1.json"
   step "$1_gather" "$4/manifest.json" python3 -m eaglepipe.gather_manifest --out "$4/manifest.json" \
     "$4/parts/replica-0-of-1.json"

@@ -101,7 +101,7 @@ pipeline() {  # data, extraction, vocab mapping, comparison on the target in $W/
   # extraction reuses complete shards by itself, so a rerun after a cut costs one model load
   [ -f "$W/hs/manifest.json" ] || {
     step extract python3 -m eaglepipe.extract_hidden_states --train "$W/data/train.jsonl" --eval "$W/data/eval.jsonl" \
-      --model "$W/target" --backend hf --device cuda --layer-ids auto --batch-size "$EXTRACT_BATCH" \
+      --model "$W/target" --backend hf --device cuda --batch-size "$EXTRACT_BATCH" \
       --storage-dtype model --dtype bfloat16 --shard-dir "$W/hs/shards" --out "$W/hs/parts/replica-0-of-1.json"
     step gather python3 -m eaglepipe.gather_manifest --out "$W/hs/manifest.json" "$W/hs/parts/replica-0-of-1.json"
   }

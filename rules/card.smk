@@ -25,16 +25,14 @@ rule model_card:
     conda:
         "../envs/eaglepipe.yaml"
     params:
-        which=config["export"]["which"],
         draft_config=lambda wc, input: os.path.join(
             os.path.dirname(input.draft), "config.json"
         ),
         serving=lambda wc, input: f"--serving {input.serving}" if input.serving else "",
-        tp=config["extract"]["tensor_parallel_size"],
-        trust=trust_flag(),
+        settings=get_setting_flags("model_card"),
         code=code_digest("model_card"),
     shell:
         f"{STAGE}.model_card "
-        "--draft-config {params.draft_config} --summary {input.summary} --which {params.which} "
+        "--draft-config {params.draft_config} --summary {input.summary} "
         "--data-stats {input.stats} --offline {input.offline} {params.serving} "
-        "--tensor-parallel-size {params.tp} {params.trust} --out {output} > {log} 2>&1"
+        "{params.settings} --out {output} > {log} 2>&1"

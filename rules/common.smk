@@ -1,5 +1,5 @@
-import hashlib
-import json
+# The run's configuration (loaded, the demo preset applied, checked against the schema and the
+# target) and the helpers the rules call: the stage command prefix and get_* functions of it.
 import os
 import re
 import shlex
@@ -8,7 +8,6 @@ from pathlib import Path
 
 from snakemake.common.configfile import load_configfile
 from snakemake.exceptions import WorkflowError
-from snakemake.io import is_flagged, strip_wildcard_constraints
 from snakemake.utils import update_config, validate
 
 REPO = Path(workflow.basedir)
@@ -25,6 +24,7 @@ from eaglepipe.config_check import (
     names_target,
     target_errors,
 )
+from eaglepipe.settings import stage_flags
 
 _schema = load_schema(str(REPO / "config" / "config.schema.yaml"))
 coerce_cli_strings(config, _schema)
@@ -87,7 +87,7 @@ def code_digest(*modules):
     return _code_digest(PKG, *modules)
 
 
-def target_input(wildcards=None):
+def get_target_input(wildcards=None):
     """The target as a job input when the pipeline builds it or it is a local directory."""
     model = config["target"]["model"]
     if config["target"]["build"]:
@@ -98,97 +98,67 @@ def target_input(wildcards=None):
     return []
 
 
-def target_arg(wildcards, input):
+def get_target_arg(wildcards, input):
     """The target as the CLIs take it: the input directory, or the hub id."""
     return input.model if input.model else config["target"]["model"]
 
 
-def data_input(wildcards=None):
+def get_data_input(wildcards=None):
     path = config["data"]["path"]
     return [] if path.startswith("package:") else path
 
 
-def chat_template_input(wildcards=None):
+def get_chat_template_input(wildcards=None):
     path = config["data"]["chat_template"]
     if path and not Path(path).is_file():
         raise WorkflowError(f"data.chat_template: template file {path} does not exist")
     return path or []
 
 
-def chat_template_sha256():
+def get_chat_template_sha256():
     """The override's content as a param: an edit reruns prepare_data even when the file's mtime does not
     change it (a checkout can write an old mtime)."""
     path = config["data"]["chat_template"]
     return sha256_file(path) if path else None
 
 
-def chat_template_flags():
-    """The template override and kwargs as prepare_data takes them, shell-quoted (as params, a
-    change of either reruns prepare_data and what follows)."""
-    data = config["data"]
-    flags = ["--rerendered-turns", data["rerendered_turns"]]
-    if data["chat_template"]:
-        flags += ["--chat-template", data["chat_template"]]
-    if data["chat_template_kwargs"]:
-        flags += [
-            "--chat-template-kwargs",
-            json.dumps(data["chat_template_kwargs"], sort_keys=True),
-        ]
-    return " ".join(shlex.quote(f) for f in flags)
+def get_setting_flags(stage, *groups, overrides=None):
+    """The flags of ``stage``'s setting groups (all when none are named) from the config; a group
+    given as a param reruns the rule when one of its settings changes (eaglepipe/settings.py).
+    """
+    return stage_flags(config, stage, *groups, overrides=overrides)
 
 
-def verifier_name():
+def get_prepare_data_source(wildcards, input):
+    """prepare_data's data arguments; data.max_samples was applied to conversations by regeneration."""
+    if config["regenerate"]["enabled"]:
+        data = f"--pretokenized --data {input.data}"
+    else:
+        data = f"--data {config['data']['path']} --max-samples {config['data']['max_samples'] or 0}"
+    if config["evaluate"]["prompts"]:
+        return f"{data} --eval-data {input.eval_data} --eval-fraction 0"
+    return f"{data} {get_setting_flags('prepare_data', 'split')}"
+
+
+def get_verifier_name():
     return deploy_name(config["target"])
 
 
-def trust_flag():
-    return "--trust-remote-code" if config["target"]["trust_remote_code"] else ""
-
-
-def revision_flag():
-    rev = config["target"]["revision"]
-    return f"--revision {rev}" if rev else ""
-
-
-def vllm_engine_flags(eager=True):
-    """How much of the machine each vLLM engine takes: extract.gpu_memory_utilization,
-    vllm.kv_cache_gib (none: vLLM sizes the cache) and, where ``eager``, extract.enforce_eager (the
-    serving benchmark runs as vLLM serves, with its CUDA graphs)."""
-    x, gib = config["extract"], config["vllm"]["kv_cache_gib"]
-    flags = [
-        f"--gpu-memory-utilization {x['gpu_memory_utilization']}",
-        "--enforce-eager" if eager and x["enforce_eager"] else "",
-        "" if gib is None else f"--kv-cache-gib {gib}",
-    ]
-    return " ".join(f for f in flags if f)
-
-
-def parity_requests_flag():
-    """benchmark_serving's parity window in requests; none = every prompt once (its default)."""
-    n = config["benchmark_serving"]["parity"]["min_requests"]
-    return "" if n is None else f"--parity-min-requests {n}"
-
-
-def extract_gpus():
+def get_extract_gpus():
     ex = config["extract"]
     if ex["backend"] == "vllm":
         return ex["tensor_parallel_size"]
     return 1 if ex["device"] == "cuda" else 0
 
 
-def layer_ids_arg():
-    ids = config["extract"]["layer_ids"]
-    return ",".join(str(i) for i in ids) if ids else "auto"
-
-
-def num_speculative_tokens():
+def get_num_speculative_tokens():
     return config["export"]["num_speculative_tokens"] or config["train"]["ttt_steps"]
 
 
-def parity_k():
+def get_parity_k():
     """The K whose concurrency-1 serving window the parity check replays."""
     bs = config["benchmark_serving"]
-    k = bs["parity"]["k"] or num_speculative_tokens()
+    k = bs["parity"]["k"] or get_num_speculative_tokens()
     if k not in bs["k"]:
         raise WorkflowError(
             f"benchmark_serving.parity.k (or the export's K) {k} is not among benchmark_serving.k {bs['k']}"
@@ -201,258 +171,11 @@ def parity_k():
     return k
 
 
-def serving_list_arg(key):
-    """A benchmark_serving list as the CLI takes it: comma-separated."""
-    return ",".join(str(v) for v in config["benchmark_serving"][key])
+def get_replica_parts(wildcards):
+    return get_replica_part_files(wildcards.run)
 
 
-def replica_parts(wildcards):
-    return replica_part_files(wildcards.run)
-
-
-def replica_part_files(run):
+def get_replica_part_files(run):
     r = config["extract"]["replicas"]
     # called once the rules are defined (rule all, job inputs)
     return expand(rules.extract_hidden_states.output.part, run=run, i=range(r), r=r)
-
-
-def inputs_before(*producers):
-    """Input function, named ``earlier`` in the rules that read other rules' outputs: what the
-    jobs of ``producers`` read, and (through their own ``earlier``) what every job before them read.
-
-    Snakemake reruns a job whose output exists only when one of its inputs is newer than that output
-    (or its params, code, ... changed), and rebuilds a missing intermediate file only for a job that
-    has to run (snakemake 9.27.1, dag.py ``update_needrun``). A job that fails or is killed after its
-    inputs were remade has lost its outputs, so a request for one later file (``snakemake
-    results/RUN/eval/offline.json``) saw only old or missing inputs and said "Nothing to be done"
-    over a result of the old ones. Among the earlier inputs the remade file is newer than the
-    requested one: the request reruns, and Snakemake rebuilds the missing files on the way (the
-    default target requests them as well, every_output). The producers' side outputs that nothing
-    after them reads (data/stats.json) are not among them, so editing one still reruns only its
-    readers.
-    """
-
-    def earlier(wildcards):
-        found = {}
-        for producer in producers:
-            for item in producer.input:
-                files = (
-                    item(wildcards)
-                    if callable(item)
-                    else (
-                        expand(item, **dict(wildcards.items())) if "{" in item else item
-                    )
-                )
-                for f in [files] if isinstance(files, str) else files:
-                    found.setdefault(str(f), f)
-        return list(found.values())
-
-    earlier.producers = {producer.rule.name for producer in producers}
-    return earlier
-
-
-def check_earlier_inputs(all_rules):
-    """Stops the workflow as it loads when a rule reads another rule's output without naming that rule
-    in its ``earlier`` input (inputs_before): without it a request for one file after a failed job
-    can call a stale result up to date, and no run shows it until that happens. Inputs given by a
-    function are known only per job and are not checked; an ancient input never reruns its reader;
-    a producer that reads no files has nothing for ``earlier`` to add."""
-    producer_of = {
-        strip_wildcard_constraints(f): producer.name
-        for producer in all_rules
-        if producer.input
-        for f in producer.output
-    }
-    # rules without outputs (all) only request files, and never call anything up to date
-    for reader in (r for r in all_rules if r.output):
-        read = {
-            producer_of[str(f)]
-            for f in reader.input
-            if not callable(f)
-            and str(f) in producer_of
-            and not is_flagged(f, "ancient")
-        }
-        named = getattr(reader.input.get("earlier"), "producers", set())
-        if read - named:
-            # lineno counts lines of the Python Snakemake compiled the file to
-            line = workflow.linemaps.get(reader.snakefile, {}).get(
-                reader.lineno, reader.lineno
-            )
-            raise WorkflowError(
-                f"{reader.snakefile}:{line}: rule {reader.name} reads the output of "
-                f"{', '.join(sorted(read - named))} but its input `earlier` does not name "
-                f"{'it' if len(read - named) == 1 else 'them'}: add "
-                f"earlier=inputs_before({', '.join(f'rules.{r}' for r in sorted(read | named))})"
-            )
-
-
-def regeneration_rules():
-    """The rules whose answers prepare_data reads."""
-    return [rules.regenerate_responses] * bool(config["regenerate"]["enabled"]) + [
-        rules.regenerate_eval_prompts
-    ] * bool(config["evaluate"]["prompts"])
-
-
-def every_output():
-    """The deliverables and every intermediate output, all requested by ``rule all``.
-
-    Snakemake rebuilds a missing intermediate file only when a job that reads it has to run
-    (snakemake 9.27.1, dag.py ``update_needrun``: the missing-output check is made for target jobs,
-    other jobs are reached through the needrun ones). A job killed after a setting changed has
-    lost its outputs (Snakemake removes them when the job starts and when it fails), while the
-    deliverables made with the old settings are still there and their own rules unchanged: a
-    rerun said "Nothing to be done" over them. As targets, the missing files rerun their job and
-    everything after it.
-    """
-    run = config["run_name"]
-    intermediate = replica_part_files(run)
-    producers = [
-        rules.prepare_data,
-        rules.vocab_mapping,
-        rules.gather_hidden_states,
-        rules.train_draft,
-    ]
-    if config["regenerate"]["enabled"]:
-        producers.append(rules.regenerate_responses)
-    if config["benchmark_serving"]["enabled"]:
-        producers += [rules.benchmark_serving, rules.extract_parity_hidden_states]
-    for r in producers:
-        # the parity set is extracted by one replica (rule evaluate_parity)
-        intermediate += expand(r.output, run=run, i=0, r=1)
-    return final_outputs() + intermediate
-
-
-def final_outputs():
-    out = [
-        "draft/export.json",
-        "draft/README.md",
-        "eval/offline.json",
-        "report/training.svg",
-        "report/data_stats.svg",
-    ]
-    if config["benchmark_serving"]["enabled"]:
-        out += ["eval/serving.json", "eval/parity.json", "report/serving.svg"]
-    return expand("results/{run}/{path}", run=config["run_name"], path=out)
-
-
-REGENERATED = "results/{run}/regenerated/chats.jsonl"
-
-
-def prepare_data_input():
-    """What prepare_data reads: the target's regenerated answers when regenerate.enabled."""
-    return REGENERATED if config["regenerate"]["enabled"] else data_input()
-
-
-def prepare_data_source(wildcards, input):
-    """prepare_data's data arguments; data.max_samples was applied to conversations by regeneration."""
-    if config["regenerate"]["enabled"]:
-        data = f"--pretokenized --data {input.data}"
-    else:
-        data = f"--data {config['data']['path']} --max-samples {config['data']['max_samples'] or 0}"
-    if config["evaluate"]["prompts"]:
-        return f"{data} --eval-data {input.eval_data} --eval-fraction 0"
-    return f"{data} --eval-fraction {config['data']['eval_fraction']}"
-
-
-REGENERATED_EVAL = "results/{run}/regenerated/eval_prompts.jsonl"
-# the fixed evaluation set's answers: what the serving benchmark's target says to the same prompts
-EVAL_PROMPTS_SAMPLING = {
-    "turns": "first",
-    "temperature": 0,
-    "top_p": 1,
-    "max_new_tokens": config["benchmark_serving"]["max_tokens"],
-    "on_truncated": "keep",
-    "on_loop": "keep",
-    "answers_per_conversation": 1,
-    "loop_retries": 0,
-}
-REGENERATE_SAMPLING = tuple(
-    EVAL_PROMPTS_SAMPLING
-)  # the regenerate.* keys a training job takes
-
-
-def eval_data_input():
-    """prepare_data's eval split when evaluate.prompts names a fixed set (else drawn from the data)."""
-    return REGENERATED_EVAL if config["evaluate"]["prompts"] else []
-
-
-def eval_prompts_source_input(wildcards=None):
-    path = config["evaluate"]["prompts"]
-    return [] if not path or path.startswith("package:") else path
-
-
-def regenerate_modes():
-    """regenerate.modes as the CLI takes them: data.chat_template_kwargs under each mode's own."""
-    base = config["data"]["chat_template_kwargs"]
-    modes = [
-        {**m, "chat_template_kwargs": {**base, **m["chat_template_kwargs"]}}
-        for m in config["regenerate"]["modes"]
-    ]
-    return json.dumps(modes, sort_keys=True)
-
-
-def regenerate_template_flag():
-    """The template override, which regeneration uses only for a tokenizer without a template."""
-    path = config["data"]["chat_template"]
-    return f"--chat-template {shlex.quote(path)}" if path else ""
-
-
-def regenerate_gpus():
-    rg = config["regenerate"]
-    if rg["backend"] == "vllm":
-        return config["extract"]["tensor_parallel_size"]
-    return 1 if rg["device"] == "cuda" else 0
-
-
-def regenerate_engine_flags():
-    """How a regeneration job uses the machine, not what it answers: the parts' keys leave these
-    out, and the rules pass them as a resource, which no Snakemake rerun trigger looks at, so
-    changing one reruns nothing (as params they would rerun training and all after it).
-    """
-    return (
-        f"{vllm_engine_flags()} --hf-batch-size {config['regenerate']['hf_batch_size']}"
-    )
-
-
-def regenerate_params(data, max_samples, sampling):
-    """Every parameter of one regeneration job; `sampling` holds the answer settings."""
-    rg = config["regenerate"]
-    return dict(
-        data=data,
-        model=target_arg,
-        revision=revision_flag(),
-        trust=trust_flag(),
-        max_samples=max_samples,
-        max_prompt_len=config["data"]["max_length"],
-        backend=rg["backend"],
-        device=rg["device"],
-        dtype=config["target"]["dtype"],
-        tp=config["extract"]["tensor_parallel_size"],
-        max_model_len=config["extract"]["max_model_len"],
-        seed=rg["seed"],
-        modes=regenerate_modes(),
-        template=regenerate_template_flag(),
-        template_sha256=chat_template_sha256(),
-        loop_ngram=rg["loop_ngram"],
-        loop_share=rg["loop_min_distinct_share"],
-        batch_size=rg["batch_size"],
-        parts=lambda wc, output: os.path.splitext(output.chats)[0] + "-parts",
-        code=code_digest("regenerate_responses"),
-        **sampling,
-    )
-
-
-REGENERATE_SHELL = (
-    f"{VLLM_ENV} {STAGE}.regenerate_responses "
-    "--data {params.data} --out {output.chats} --stats {output.stats} --parts-dir {params.parts} "
-    "--model {params.model} {params.revision} {params.trust} --backend {params.backend} "
-    "--device {params.device} --dtype {params.dtype} --tensor-parallel-size {params.tp} "
-    "--max-model-len {params.max_model_len} {resources.engine} --max-samples {params.max_samples} --max-prompt-len {params.max_prompt_len} "
-    "--turns {params.turns} --temperature {params.temperature} "
-    "--top-p {params.top_p} --max-new-tokens {params.max_new_tokens} --seed {params.seed} "
-    "--modes {params.modes:q} {params.template} --on-truncated {params.on_truncated} --on-loop {params.on_loop} "
-    "--loop-ngram {params.loop_ngram} --loop-min-distinct-share {params.loop_share} "
-    "--answers-per-conversation {params.answers_per_conversation} --loop-retries {params.loop_retries} "
-    "--batch-size {params.batch_size} "
-    "> {log} 2>&1"
-)

@@ -21,13 +21,21 @@ if config["target"]["build"]:
             "--recipe {params.recipe} --out {output} > {log} 2>&1"
 
 
+# the rules whose answers prepare_data reads
+REGENERATION_RULES = [rules.regenerate_responses] * bool(
+    config["regenerate"]["enabled"]
+) + [rules.regenerate_eval_prompts] * bool(config["evaluate"]["prompts"])
+
+
 rule prepare_data:
     input:
-        data=prepare_data_input(),
-        eval_data=eval_data_input(),
-        model=target_input(),
-        chat_template=chat_template_input(),
-        earlier=inputs_before(*regeneration_rules()),
+        # the target's regenerated answers when regenerate.enabled; the fixed evaluation set's
+        # when evaluate.prompts names one (else the eval split is drawn from the data)
+        data=REGENERATED if config["regenerate"]["enabled"] else get_data_input(),
+        eval_data=REGENERATED_EVAL if config["evaluate"]["prompts"] else [],
+        model=get_target_input(),
+        chat_template=get_chat_template_input(),
+        earlier=inputs_before(*REGENERATION_RULES),
     output:
         train="results/{run}/data/train.jsonl",
         eval="results/{run}/data/eval.jsonl",
@@ -45,23 +53,16 @@ rule prepare_data:
         "../envs/eaglepipe.yaml"
     threads: 2
     params:
-        data=prepare_data_source,
-        model=target_arg,
-        max_length=config["data"]["max_length"],
-        too_long=config["data"]["too_long"],
-        seed=config["data"]["seed"],
-        template=chat_template_flags(),
-        template_sha256=chat_template_sha256(),
-        trust=trust_flag(),
-        revision=revision_flag(),
+        data=get_prepare_data_source,
+        model=get_target_arg,
+        settings=get_setting_flags("prepare_data", "data"),
+        template_sha256=get_chat_template_sha256(),
         outdir=lambda wc, output: os.path.dirname(output.train),
         code=code_digest("prepare_data"),
     shell:
         f"{STAGE}.prepare_data "
-        "{params.data} --model {params.model} {params.revision} "
-        "{params.trust} --out-dir {params.outdir} "
-        "--max-length {params.max_length} --too-long {params.too_long} "
-        "--seed {params.seed} {params.template} > {log} 2>&1"
+        "{params.data} --model {params.model} --out-dir {params.outdir} "
+        "{params.settings} > {log} 2>&1"
 
 
 rule vocab_mapping:
@@ -75,9 +76,8 @@ rule vocab_mapping:
     conda:
         "../envs/eaglepipe.yaml"
     params:
-        size=config["draft"]["vocab_size"],
+        settings=get_setting_flags("vocab_mapping"),
         code=code_digest("vocab_mapping"),
     shell:
         f"{STAGE}.vocab_mapping "
-        "--token-freq {input.token_freq} "
-        "--draft-vocab-size {params.size} --out {output} > {log} 2>&1"
+        "--token-freq {input.token_freq} {params.settings} --out {output} > {log} 2>&1"

@@ -2,7 +2,7 @@ rule evaluate_offline:
     input:
         draft=rules.export_draft.output.record,
         manifest=rules.gather_hidden_states.output.manifest,
-        model=target_input(),
+        model=get_target_input(),
         earlier=inputs_before(rules.export_draft, rules.gather_hidden_states),
     output:
         report(
@@ -16,17 +16,16 @@ rule evaluate_offline:
         "../envs/eaglepipe.yaml"
     threads: 2
     params:
-        model=target_arg,
-        trust=trust_flag(),
+        model=get_target_arg,
         draft=lambda wc, input: os.path.dirname(input.draft),
         k=config["evaluate"]["k"] or config["train"]["ttt_steps"],
-        buckets=config["evaluate"]["context_buckets"],
+        settings=get_setting_flags("evaluate", "offline"),
         code=code_digest("evaluate"),
     shell:
         f"{STAGE}.evaluate "
         "--draft {params.draft} --manifest {input.manifest} "
-        "--split eval --model {params.model} {params.trust} --k {params.k} "
-        "--context-buckets {params.buckets} --out {output} > {log} 2>&1"
+        "--split eval --model {params.model} --k {params.k} "
+        "{params.settings} --out {output} > {log} 2>&1"
 
 
 rule plot_report:
@@ -70,7 +69,7 @@ rule benchmark_serving:
         draft=rules.export_draft.output.record,
         eval=rules.prepare_data.output.eval,
         offline=rules.evaluate_offline.output[0],
-        model=target_input(),
+        model=get_target_input(),
         earlier=inputs_before(
             rules.export_draft, rules.prepare_data, rules.evaluate_offline
         ),
@@ -91,38 +90,18 @@ rule benchmark_serving:
     resources:
         gpu=config["extract"]["tensor_parallel_size"],
     params:
-        model=target_arg,
+        model=get_target_arg,
         serve_model=config["target"]["deploy_name"] or config["target"]["model"],
-        trust=trust_flag(),
-        dtype=config["target"]["dtype"],
         draft=lambda wc, input: os.path.dirname(input.draft),
-        tp=config["extract"]["tensor_parallel_size"],
-        engine=vllm_engine_flags(eager=False),
-        n=config["benchmark_serving"]["num_prompts"],
-        max_tokens=config["benchmark_serving"]["max_tokens"],
-        concurrency=serving_list_arg("concurrency"),
-        k=serving_list_arg("k"),
-        min_seconds=config["benchmark_serving"]["min_seconds"],
-        min_tokens=config["benchmark_serving"]["min_output_tokens"],
-        ulps=config["benchmark_serving"]["near_tie_ulps"],
-        parity_k=lambda wc: parity_k(),
-        parity_requests=parity_requests_flag(),
-        engine_args=json.dumps(
-            config["benchmark_serving"]["engine_args"], sort_keys=True
-        ),
+        parity_k=lambda wc: get_parity_k(),
+        settings=get_setting_flags("benchmark_serving"),
         code=code_digest("benchmark_serving"),
     shell:
         # the parity set is all held out: the extraction's train split is this empty file
         ": > {output.no_train} && "
         f"{VLLM_ENV} {STAGE}.benchmark_serving "
-        "--model {params.model} --serve-model {params.serve_model:q} {params.trust} --dtype {params.dtype} "
-        "--draft {params.draft} --prompts {input.eval} --num-prompts {params.n} "
-        "--max-tokens {params.max_tokens} --concurrency {params.concurrency} --k {params.k} "
-        "--min-seconds {params.min_seconds} --min-output-tokens {params.min_tokens} "
-        "--near-tie-ulps {params.ulps} --parity-k {params.parity_k} "
-        "{params.parity_requests} --tensor-parallel-size {params.tp} "
-        "{params.engine} "
-        "--engine-args {params.engine_args:q} "
+        "--model {params.model} --serve-model {params.serve_model:q} --draft {params.draft} "
+        "--prompts {input.eval} --parity-k {params.parity_k} {params.settings} "
         "--out {output.serving} --parity-samples {output.samples} > {log} 2>&1"
 
 
@@ -132,7 +111,7 @@ use rule extract_hidden_states as extract_parity_hidden_states with:
     input:
         train=rules.benchmark_serving.output.no_train,
         eval=rules.benchmark_serving.output.samples,
-        model=target_input(),
+        model=get_target_input(),
         earlier=inputs_before(rules.benchmark_serving),
     output:
         part="results/{run}/eval/parity/parts/replica-{i}-of-{r}.json",
@@ -153,7 +132,7 @@ rule evaluate_parity:
             allow_missing=True,
         ),
         serving=rules.benchmark_serving.output.serving,
-        model=target_input(),
+        model=get_target_input(),
         earlier=inputs_before(
             rules.export_draft,
             rules.extract_parity_hidden_states,
@@ -171,17 +150,16 @@ rule evaluate_parity:
         "../envs/eaglepipe.yaml"
     threads: 2
     params:
-        model=target_arg,
-        trust=trust_flag(),
+        model=get_target_arg,
         draft=lambda wc, input: os.path.dirname(input.draft),
-        k=lambda wc: parity_k(),
-        z=config["benchmark_serving"]["parity"]["z"],
+        k=lambda wc: get_parity_k(),
+        settings=get_setting_flags("evaluate", "parity"),
         code=code_digest("evaluate"),
     shell:
         f"{STAGE}.evaluate "
         "--draft {params.draft} --manifest {input.manifest} "
-        "--split eval --model {params.model} {params.trust} --k {params.k} "
-        "--parity {input.serving} --parity-z {params.z} --out {output} > {log} 2>&1"
+        "--split eval --model {params.model} --k {params.k} "
+        "--parity {input.serving} {params.settings} --out {output} > {log} 2>&1"
 
 
 rule plot_serving:

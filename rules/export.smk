@@ -16,18 +16,13 @@ rule export_draft:
     conda:
         "../envs/eaglepipe.yaml"
     params:
-        which=config["export"]["which"],
-        verifier=verifier_name(),
-        k=num_speculative_tokens(),
-        drop=(
-            "--drop-embedding"
-            if config["export"]["drop_embedding"]
-            else "--keep-embedding"
-        ),
+        verifier=get_verifier_name(),
+        k=get_num_speculative_tokens(),
+        settings=get_setting_flags("export_draft"),
         outdir=lambda wc, output: os.path.dirname(output.record),
         code=code_digest("export_draft"),
     shell:
         f"{STAGE}.export_draft "
-        "--summary {input.summary} --which {params.which} "
-        "--verifier-name '{params.verifier}' --num-speculative-tokens {params.k} {params.drop} "
+        "--summary {input.summary} --verifier-name '{params.verifier}' "
+        "--num-speculative-tokens {params.k} {params.settings} "
         "--out-dir {params.outdir} > {log} 2>&1"

@@ -6,7 +6,7 @@ rule extract_hidden_states:
     input:
         train=rules.prepare_data.output.train,
         eval=rules.prepare_data.output.eval,
-        model=target_input(),
+        model=get_target_input(),
         earlier=inputs_before(rules.prepare_data),
     output:
         part="results/{run}/hidden_states/parts/replica-{i}-of-{r}.json",
@@ -20,40 +20,27 @@ rule extract_hidden_states:
         else "../envs/eaglepipe.yaml"
     threads: 4
     resources:
-        gpu=extract_gpus(),
+        gpu=get_extract_gpus(),
         # where vLLM's files wait changes no shard (RESULT_NEUTRAL in extract_hidden_states.py): a
         # resource, which no rerun trigger looks at, so moving it reruns nothing
-        staging_dir=config["extract"]["staging_dir"],
+        staging=get_setting_flags("extract_hidden_states", "staging"),
     params:
-        model=target_arg,
-        revision=revision_flag(),
-        trust=trust_flag(),
-        backend=config["extract"]["backend"],
-        device=config["extract"]["device"],
-        tp=config["extract"]["tensor_parallel_size"],
-        layer_ids=layer_ids_arg(),
-        batch_size=config["extract"]["batch_size"],
-        storage=config["extract"]["storage_dtype"],
-        dtype=config["target"]["dtype"],
-        max_model_len=config["extract"]["max_model_len"],
-        engine=vllm_engine_flags(),
+        model=get_target_arg,
+        settings=get_setting_flags("extract_hidden_states", "shards"),
         shard_dir=lambda wc, output: os.path.join(
             os.path.dirname(os.path.dirname(output.part)), "shards"
         ),
         code=code_digest("extract_hidden_states"),
     shell:
         f"{VLLM_ENV} {STAGE}.extract_hidden_states "
-        "--train {input.train} --eval {input.eval} "
-        "--model {params.model} {params.revision} {params.trust} --backend {params.backend} "
-        "--device {params.device} --tensor-parallel-size {params.tp} --layer-ids {params.layer_ids} "
-        "--batch-size {params.batch_size} --storage-dtype {params.storage} --dtype {params.dtype} "
-        "--max-model-len {params.max_model_len} {params.engine} --staging-dir {resources.staging_dir:q} --shard-dir {params.shard_dir} --replica {wildcards.i} "
+        "--train {input.train} --eval {input.eval} --model {params.model} {params.settings} "
+        "{resources.staging} --shard-dir {params.shard_dir} --replica {wildcards.i} "
         "--replicas {wildcards.r} --out {output.part} > {log} 2>&1"
 
 
 rule gather_hidden_states:
     input:
-        parts=replica_parts,
+        parts=get_replica_parts,
         earlier=inputs_before(rules.extract_hidden_states),
     output:
         manifest="results/{run}/hidden_states/manifest.json",

@@ -70,11 +70,11 @@ def test_context_buckets_flag(tiny_llama, tmp_path):
     out = tmp_path / "offline.json"
     args = ["--draft", str(draft), "--manifest", str(run["manifest"]), "--model", str(tiny_llama), "--k", "2",
             "--out", str(out), "--context-buckets"]
-    evaluate.main(args + ["4", "16"])
+    evaluate.main(args + ["4,16"])
     by_context = json.loads(out.read_text())["strata"]["context"]
     assert list(by_context) == ["<=4", "<=16", ">16"] and all(s["anchors"] for s in by_context.values())
     with pytest.raises(SystemExit, match=r"--context-buckets \[16, 4\]: need positive, strictly ascending"):
-        evaluate.main(args + ["16", "4"])
+        evaluate.main(args + ["16,4"])
 
 
 def test_aux_ids_must_match_manifest(tiny_llama, tmp_path):
@@ -94,8 +94,8 @@ def test_stratum_config_reaches_both_clis(tmp_path):
     lines = p.stdout.splitlines()
     offline = next(line for line in lines if "eaglepipe.evaluate " in line and "offline.json" in line)
     train = next(line for line in lines if "eaglepipe.train_draft " in line)
-    assert "--context-buckets 256 4096 --out" in offline
-    assert "--context-buckets 256 4096 --select-by 'context:>4096'" in train
+    assert "--context-buckets 256,4096 " in offline
+    assert "--context-buckets 256,4096 --select-by 'context:>4096'" in train
     bad = snakemake(ws, "-n", "--config", 'evaluate={"select_by": "length:>4096"}', check=False)
     assert bad.returncode != 0 and "select_by" in bad.stdout + bad.stderr
 

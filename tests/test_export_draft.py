@@ -152,7 +152,7 @@ def test_refuses_inconsistent_vocab_mapping(run):
 
 def test_keep_embedding_needs_it(run):
     rewrite_tensors(run, lambda t: t.pop(ex.EMBED))
-    expect_error(run, "--keep-embedding, but the checkpoint has no embed_tokens.weight", drop_embedding=False)
+    expect_error(run, "--no-drop-embedding, but the checkpoint has no embed_tokens.weight", drop_embedding=False)
 
 
 def edit_json(path, edit):

@@ -96,11 +96,16 @@ def test_cli_writes_shards_with_bf16_states_and_metadata(tmp_path, tiny_dsv3):
     ("2,3,5", "last layer id must be the final layer 6"),
     ("2,3,7", "last layer id must be the final layer 6"),
     ("2,7,6", "strictly ascending"),
-    ("2,x,6", "invalid literal"),
 ])
 def test_bad_layer_ids_are_refused(tmp_path, tiny_llama, ids, message):
     with pytest.raises(SystemExit, match=f"--layer-ids {ids}: .*{message}"):
         cli(tmp_path, tiny_llama, "--layer-ids", ids)
+
+
+def test_layer_ids_that_are_not_integers_are_refused(tmp_path, tiny_llama, capsys):
+    with pytest.raises(SystemExit):
+        cli(tmp_path, tiny_llama, "--layer-ids", "2,x,6")
+    assert "argument --layer-ids: '2,x,6': expected comma-separated integers" in capsys.readouterr().err
 
 
 def test_non_finite_states_are_skipped_counted_and_listed(tmp_path, tiny_llama, monkeypatch, capsys):

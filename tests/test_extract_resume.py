@@ -22,7 +22,7 @@ BATCHES = 40
 def run_cli(work: Path, model: Path, name: str, *extra, wait=True):
     args = [sys.executable, "-m", "eaglepipe.extract_hidden_states", "--train", str(work / "train.jsonl"),
             "--eval", str(work / "eval.jsonl"), "--model", str(model), "--backend", "hf", "--device", "cpu",
-            "--layer-ids", "auto", "--batch-size", "4", "--shard-dir", str(work / name / "shards"),
+            "--batch-size", "4", "--shard-dir", str(work / name / "shards"),
             "--out", str(work / name / "part.json"), *extra]
     env = dict(os.environ, PYTHONPATH=str(REPO / "scripts"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     log = open(work / f"{name}.log", "a")

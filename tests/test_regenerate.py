@@ -559,7 +559,7 @@ def cli(tmp_path, model, data, out="run", extra=()):
     out = tmp_path / out
     return [sys.executable, "-m", "eaglepipe.regenerate_responses", "--data", str(data), "--model", str(model),
             "--out", str(out / "chats.jsonl"), "--stats", str(out / "stats.json"), "--parts-dir",
-            str(out / "parts"), "--backend", "hf", "--dtype", "float32", "--max-new-tokens", "12",
+            str(out / "parts"), "--backend", "hf", "--dtype", "bfloat16", "--max-new-tokens", "12",
             "--on-loop", "keep", *extra]
 
 
@@ -593,7 +593,7 @@ def test_answers_are_keyed_by_the_precision_they_were_computed_in(tmp_path, tiny
     # on the CPU the hf backend computes in float32 whatever --dtype says: its parts stay reusable
     data = tiny.make_chats(tmp_path / "chats.jsonl", n=4)
     run_cli(cli(tmp_path, tiny_llama, data, "a", ["--batch-size", "2"]))
-    run_cli([*cli(tmp_path, tiny_llama, data, "a", ["--batch-size", "2"]), "--dtype", "bfloat16"])
+    run_cli([*cli(tmp_path, tiny_llama, data, "a", ["--batch-size", "2"]), "--dtype", "float16"])
     stats = json.loads((tmp_path / "a" / "stats.json").read_text())
     assert stats["settings"]["precision"] == "float32"
     assert (stats["run"]["parts_reused"], stats["run"]["parts_written"]) == (2, 0)

@@ -2,7 +2,8 @@
 
 The map: each rule (rules/*.smk) runs one stage module here as ``python -m eaglepipe.<module>``;
 a stage never imports another stage (tests/test_layout.py), what stages share lives in library
-modules.
+modules. A stage's setting flags are made from config/config.schema.yaml by ``settings``, which the
+rules use to pass the run's config (tests/test_settings.py).
 
 | rule | stage module | libraries it stands on |
 | --- | --- | --- |

@@ -189,12 +189,6 @@ def split_categories(manifest: dict, split: str) -> tuple[str, ...]:
     return () if labels == [NO_CATEGORY] else tuple(labels)
 
 
-def add_strata_arguments(p) -> None:
-    """The stratum flags the evaluate and train_draft CLIs share."""
-    p.add_argument("--context-buckets", type=int, nargs="+", default=list(Strata.context_buckets), metavar="TOKENS",
-                   help="ascending upper bounds of the prefix-length buckets AL is reported by")
-
-
 def load_strata(model_dir: str, context_buckets: list[int], trust_remote_code: bool = False,
                 categories: tuple[str, ...] = ()) -> Strata:
     """Strata for a target: the thinking stratum when its tokenizer has THINK_TAGS as tokens; the

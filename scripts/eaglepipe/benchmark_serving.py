@@ -35,12 +35,13 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from .atomic import atomic_path, json_object_argument, write_json
+from .atomic import atomic_path, write_json
 from .serving_sweep import (CONVENTION, PARITY_CONCURRENCY, counter_delta, draft_method, engine_args_errors,
                             explain_divergences, parity_samples, recommend, spec_counters, sweep_rows, window_done,
                             window_requests)
 from .tokenized_samples import iter_prepared
-from .vllm_env import add_kv_cache_argument, kv_cache_kwargs, set_vllm_env_defaults
+from .settings import add_stage_arguments
+from .vllm_env import gib_above_zero, kv_cache_kwargs, set_vllm_env_defaults
 
 ENGINE_WARMUP_TOKENS = 16
 NEAR_TIE_NOTE = ("near_tie: the target's top-2 raw-logit margin at the first difference is at most "
@@ -302,29 +303,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="target: local dir or hub id")
     p.add_argument("--serve-model", default=None, help="the name `vllm serve` is given (default: --model)")
-    p.add_argument("--trust-remote-code", action="store_true")
-    p.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     p.add_argument("--draft", required=True, help="exported draft dir (export_draft)")
     p.add_argument("--prompts", required=True, help="eval JSONL of {input_ids, loss_mask}")
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--concurrency", type=int_list, default=[1, 4, 16, 64], help="requests in flight, e.g. 1,4,16,64")
-    p.add_argument("--k", type=int_list, required=True, help="num_speculative_tokens values, e.g. 1,2,3,4,5")
-    p.add_argument("--min-seconds", type=float, default=10.0)
-    p.add_argument("--min-output-tokens", type=int, default=2000)
     p.add_argument("--parity-k", type=int, required=True, help="the K whose concurrency-1 window the parity replays")
-    p.add_argument("--parity-min-requests", type=int, default=None,
-                   help="that window, and the target alone's at concurrency 1, last until at least this many "
-                        "requests finished (default: the number of prompts, each once: the prompts the "
-                        "offline estimate holds when it is run on the same file)")
-    p.add_argument("--near-tie-ulps", type=float, default=4.0)
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="the share of each GPU's memory one engine may take (weights, activations, KV cache)")
-    add_kv_cache_argument(p)
-    p.add_argument("--engine-args", type=json_object_argument, default={},
-                   help="more vLLM engine arguments for every engine, as a JSON object (e.g. "
-                        "'{\"max_num_seqs\": 8, \"async_scheduling\": true}'); the recommended serve command carries them")
+    add_stage_arguments(p, "benchmark_serving",
+                        types={"concurrency": int_list, "k": int_list, "kv_cache_gib": gib_above_zero})
     p.add_argument("--out", required=True, help="serving.json")
     p.add_argument("--parity-samples", required=True, help="JSONL of the parity window's sequences")
     return p

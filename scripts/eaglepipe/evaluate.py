@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from .acceptance import add_strata_arguments
 from .atomic import read_json_object, write_json
 from .layers import aux_layer_ids
+from .settings import add_stage_arguments
 from .shards import load_manifest
 
 log = logging.getLogger("eaglepipe.evaluate")
@@ -35,13 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--manifest", required=True)
     p.add_argument("--split", default="eval")
     p.add_argument("--model", required=True, help="target model directory")
-    p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--k", type=int, required=True, help="draft tokens per chain (num_speculative_tokens)")
     p.add_argument("--parity", default=None, metavar="SERVING_JSON",
                    help="compare with the counters of benchmark_serving's parity window instead")
-    p.add_argument("--parity-z", type=float, default=3.0, help="standard errors the parity tolerance allows")
     p.add_argument("--out", required=True)
-    add_strata_arguments(p)
+    add_stage_arguments(p, "evaluate")
     return p
 
 

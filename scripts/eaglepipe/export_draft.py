@@ -33,6 +33,7 @@ from .checksum import CHECKSUM, file_checksum
 from .draft_model import load_target_embedding
 from .layers import aux_layer_ids
 from .serving_limits import DRAFT_ARCHS, NORM_FLAGS, aux_count_error, rope_error
+from .settings import add_stage_arguments
 
 SUMMARY_KEYS = ("best", "last", "steps", "best_eval", "layer_ids", "aux_layer_ids", "target_model",
                 "draft_vocab_size", "ttt_steps")
@@ -63,8 +64,6 @@ def load_summary(path: str | os.PathLike) -> dict:
 
 def resolve_checkpoint(summary_path: str | os.PathLike, summary: dict, which: str) -> Path:
     """The checkpoint directory the summary names as ``which`` (best/last), checked to be complete."""
-    if which not in ("best", "last"):
-        raise ExportError(f"--which {which!r}: allowed 'best' or 'last'")
     rel = summary[which]
     if not isinstance(rel, str) or not rel:
         raise ExportError(f"training summary {summary_path}: field {which!r} is {rel!r}, expected a checkpoint path")
@@ -205,7 +204,7 @@ def export_draft(summary_path: str, which: str, verifier_name: str, k: int, drop
     if drop_embedding and EMBED in tensors:
         saved = tensors.pop(EMBED).numel() * torch.finfo(torch.bfloat16).bits // 8
     elif not drop_embedding and EMBED not in tensors:
-        raise ExportError(f"{where}: --keep-embedding, but the checkpoint has no {EMBED}")
+        raise ExportError(f"{where}: --no-drop-embedding, but the checkpoint has no {EMBED}")
     # bf16 floats (the serving dtype); d2t (int64) and t2d (bool) exactly as trained.
     tensors = {n: (t.to(torch.bfloat16) if t.is_floating_point() else t).contiguous() for n, t in tensors.items()}
 
@@ -322,12 +321,9 @@ def mla_roundtrip_check(out_dir: Path, target: str, written: dict[str, torch.Ten
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--summary", required=True, help="train/summary.json written by train_draft")
-    p.add_argument("--which", choices=["best", "last"], default="best")
     p.add_argument("--verifier-name", required=True, help="the target name `vllm serve` is given")
     p.add_argument("--num-speculative-tokens", type=int, required=True)
-    emb = p.add_mutually_exclusive_group()
-    emb.add_argument("--drop-embedding", dest="drop_embedding", action="store_true", default=True)
-    emb.add_argument("--keep-embedding", dest="drop_embedding", action="store_false")
+    add_stage_arguments(p, "export_draft")
     p.add_argument("--out-dir", required=True)
     return p
 

@@ -2,7 +2,7 @@
 tokenized sample, in per-batch shards.
 
   python -m eaglepipe.extract_hidden_states --train T.jsonl --eval E.jsonl --model M \
-      --backend hf|vllm --layer-ids auto|2,15,27,30 --batch-size 64 --shard-dir DIR \
+      --backend hf|vllm [--layer-ids 2,15,27,30] --batch-size 64 --shard-dir DIR \
       --replica i --replicas R --out parts/replica-i-of-R.json   (all flags: --help)
 
 Each split is cut into consecutive batches of --batch-size samples, one shard per batch
@@ -36,7 +36,8 @@ from .layers import CONVENTION, resolve_layer_ids
 from .shard_pipeline import extract, reusable_row, writer_count
 from .tokenized_samples import read_prepared
 from .units import human_bytes
-from .vllm_env import add_kv_cache_argument
+from .settings import add_stage_arguments
+from .vllm_env import gib_above_zero
 from .writer_pool import POOLS, make_pool
 
 SPLITS = ("train", "eval")
@@ -49,12 +50,12 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def parse_layer_ids(text: str, num_hidden_layers: int) -> list[int]:
+def parse_layer_ids(configured: list[int] | None, num_hidden_layers: int) -> list[int]:
+    """--layer-ids, or the default ids of a target of ``num_hidden_layers`` when it is not given."""
     try:
-        configured = None if text == "auto" else [int(x) for x in text.split(",")]
         return resolve_layer_ids(configured, num_hidden_layers)
     except ValueError as e:
-        raise SystemExit(f"--layer-ids {text}: {e}") from e
+        raise SystemExit(f"--layer-ids {','.join(map(str, configured or []))}: {e}") from e
 
 
 def tokenizer_digest(model: str, revision: str | None) -> str | None:
@@ -104,27 +105,12 @@ def settings_of(args, layer_ids: list[int], tokenizer: str | None) -> dict:
     return s
 
 
-def parse_args(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--train", required=True, help="tokenized train JSONL {id, input_ids, loss_mask}")
     ap.add_argument("--eval", required=True, help="tokenized eval JSONL")
     ap.add_argument("--model", required=True, help="target: local directory or hub id")
-    ap.add_argument("--revision", default=None)
-    ap.add_argument("--trust-remote-code", action="store_true")
-    ap.add_argument("--backend", choices=["hf", "vllm"], default="hf")
-    ap.add_argument("--device", choices=["cpu", "cuda"], default="cuda", help="hf backend only")
-    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="vllm backend only")
-    ap.add_argument("--layer-ids", default="auto", help="auto or ascending ids ending with num_hidden_layers")
-    ap.add_argument("--batch-size", type=int, default=64, help="samples per shard")
-    ap.add_argument("--storage-dtype", choices=list(shards.STORAGE_DTYPES), default="model")
-    ap.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
-    ap.add_argument("--max-model-len", type=int, default=8192, help="vllm backend only")
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="vllm backend only")
-    ap.add_argument("--enforce-eager", action="store_true", help="vllm backend only")
-    add_kv_cache_argument(ap)
-    ap.add_argument("--staging-dir", default="auto",
-                    help="vllm backend: where vLLM's per-request files wait to be packed: auto (the RAM disk "
-                         f"{disk_budget.RAM_DISK} when it has room, else the shard directory), shards, or a directory")
+    add_stage_arguments(ap, "extract_hidden_states", types={"kv_cache_gib": gib_above_zero})
     ap.add_argument("--connector-threads", type=int, default=None,
                     help="vllm backend: threads of vLLM's connector writing its per-request files "
                          "(default: vLLM's, 8 in 0.26.0)")
@@ -135,6 +121,11 @@ def parse_args(argv=None):
     ap.add_argument("--replica", type=int, default=0)
     ap.add_argument("--replicas", type=int, default=1)
     ap.add_argument("--out", required=True, help="part manifest JSON")
+    return ap
+
+
+def parse_args(argv=None):
+    ap = build_parser()
     args = ap.parse_args(argv)
     if args.replicas < 1 or not 0 <= args.replica < args.replicas:
         ap.error(f"--replica {args.replica} --replicas {args.replicas}: need 0 <= replica < replicas")

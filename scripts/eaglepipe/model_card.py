@@ -25,6 +25,7 @@ from .config_check import target_config_path
 from .layers import CONVENTION
 from .serving_limits import NORM_FLAGS, VLLM_VERSION, eagle3_target_error
 from .serving_sweep import serve_command
+from .settings import add_stage_arguments
 
 
 class CardError(ValueError):
@@ -143,12 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--draft-config", required=True, help="config.json of the exported draft")
     p.add_argument("--summary", required=True, help="train/summary.json")
-    p.add_argument("--which", choices=["best", "last"], required=True, help="the exported checkpoint")
     p.add_argument("--data-stats", required=True, help="data/stats.json")
     p.add_argument("--offline", required=True, help="eval/offline.json")
     p.add_argument("--serving", help="eval/serving.json, when serving was benchmarked")
-    p.add_argument("--tensor-parallel-size", type=int, default=1, help="the TP the target is served with")
-    p.add_argument("--trust-remote-code", action="store_true")
+    add_stage_arguments(p, "model_card")
     p.add_argument("--out", required=True)
     return p
 

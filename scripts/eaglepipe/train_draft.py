@@ -25,19 +25,19 @@ from pathlib import Path
 import torch
 
 from . import checkpoints
-from .acceptance import DRAFT_VOCAB_KEY, EXPLANATIONS, OVERALL, add_strata_arguments
+from .acceptance import DRAFT_VOCAB_KEY, EXPLANATIONS
 from .atomic import atomic_path, sha256_file, write_json
 from .code_digest import code_digest
 from .dir_lock import dir_lock
 from .draft_model import LOSS_IMPLEMENTATION
 from .model_dir import check_model_dir
 from .layers import aux_layer_ids, validate_layer_ids
-from .packed_data import GLOBAL, ROW_LOADERS, PackedRows, shuffle_buffer, shuffle_window
+from .packed_data import ROW_LOADERS, PackedRows, shuffle_buffer, shuffle_window
 from .progress import TokenProgress
 from .runtime import all_reduce, rng_state, set_rng_state, set_threads, setup_distributed
-from .serving_limits import ARCHITECTURES
+from .settings import add_stage_arguments
 from .shards import load_manifest
-from .training import FROZEN, LM_HEADS, OPTIMIZERS, TRAINED, Optimization, new_draft
+from .training import Optimization, new_draft
 
 log = logging.getLogger("eaglepipe.train_draft")
 
@@ -47,44 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--manifest", required=True, help="hidden-state manifest.json")
     p.add_argument("--vocab", required=True, help="vocab_mapping.safetensors (d2t, t2d)")
     p.add_argument("--model", required=True, help="target model directory (embeddings, final norm, lm_head)")
-    p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--out-dir", required=True)
-    p.add_argument("--draft-architecture", default="auto", choices=ARCHITECTURES,
-                   help="decoder layer: mla for MLA targets under auto, else llama (serving_limits.resolve_architecture)")
-    p.add_argument("--draft-mlp-width", type=int, default=None, help="dense MLP width (default: the target's)")
-    p.add_argument("--draft-layers", type=int, default=1,
-                   help="decoder layers of the draft (EAGLE-3's is 1; more only for the llama architecture)")
-    p.add_argument("--lm-head", default=FROZEN, choices=LM_HEADS,
-                   help=f"the draft's lm_head (the target's rows of the draft vocabulary to start with): {FROZEN}, as "
-                        f"speculators keeps it, or {TRAINED} (by AdamW under either optimizer), as EAGLE-3's and "
-                        "SpecForge's trainers do")
-    p.add_argument("--ttt-steps", type=int, default=3)
-    p.add_argument("--ttt-step-loss-decay", type=float, default=1.0)
-    p.add_argument("--optimizer", default="muon", choices=OPTIMIZERS,
-                   help="muon: torch's Muon on the decoder's 2-D weight matrices at --lr (its update scaled to "
-                        "AdamW's RMS) and AdamW on the rest (speculators' build_optimizers, its defaults); or adamw")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--muon-weight-decay", type=float, default=None,
-                   help="weight decay of the Muon group (--optimizer muon); default speculators' (0.1 in 0.9.0)")
-    p.add_argument("--warmup-steps", type=int, default=20)
-    p.add_argument("--max-steps", type=int, default=1000)
-    p.add_argument("--batch-tokens", type=int, default=8192)
-    p.add_argument("--shuffle-buffer-gib", type=shuffle_buffer, default=GLOBAL,
-                   help=f"{GLOBAL} (one permutation of the split, each sample read from its memory-mapped shard), or "
-                        "the memory for the shards whose samples are shuffled together (packed_data.shuffle_window); "
-                        "0 = each shard's samples alone")
+    add_stage_arguments(p, "train_draft", types={"shuffle_buffer_gib": shuffle_buffer})
     p.add_argument("--row-loader", default="thread", choices=ROW_LOADERS,
                    help="what packs the next rows during a step: a thread, or a worker process (the GIL stays "
                         "with the step; rows cross in shared memory); the rows are the same")
-    p.add_argument("--eval-every", type=int, default=200)
-    p.add_argument("--checkpoint-every", type=int, default=200)
-    p.add_argument("--loss", default="kl_div", help="a speculators loss name (kl_div, ce, ...) or a JSON mix")
-    p.add_argument("--seed", type=int, default=0)
-    add_strata_arguments(p)
-    p.add_argument("--select-by", default=OVERALL,
-                   help="eval AL the best checkpoint is chosen by: overall (per token), as_served (per draft, as "
-                        "vLLM counts) or <stratum>:<label> (e.g. context:<=2048, category:coding)")
     return p
 
 
@@ -284,7 +251,7 @@ def train(args, stop_after: int | None = None) -> dict | None:
                     state = {"optimization": optimization.state_dict(),
                              "position": list(position), "rng": rng_state(), "step": step, "world_size": world,
                              "digest": digest, "code": code, "settings": settings, "train_tokens": train_tokens,
-                             "evals": evals, "best": best}
+                             "evals": evals, "best": best, "resources": training_resources(optimization, device)}
                     path = checkpoints.save(out, step, model, state, metrics.rows, best=is_best)
                     log.info("checkpoint %s%s", path, " (best so far)" if is_best else "")
                 if world > 1:
@@ -292,7 +259,8 @@ def train(args, stop_after: int | None = None) -> dict | None:
             if stop_after is not None and step >= stop_after:
                 return None
 
-    summary = training_summary(args, step, best, evals, train_tokens, layer_ids, aux_ids, draft_vocab)
+    summary = training_summary(args, step, best, evals, train_tokens, layer_ids, aux_ids, draft_vocab,
+                               training_resources(optimization, device))
     if main_rank:
         metrics.save()
         write_json(out / "summary.json", summary)
@@ -331,7 +299,7 @@ def reuse(args, out: Path, ckpt: Path, state: dict, rows: list[dict], layer_ids,
     whatever made the job run again (a regenerated identical manifest, --forcerun), no step is redone."""
     config = json.loads((ckpt / "config.json").read_text())
     summary = training_summary(args, state["step"], state["best"], state["evals"], state["train_tokens"], layer_ids,
-                               aux_ids, int(config["draft_vocab_size"]))
+                               aux_ids, int(config["draft_vocab_size"]), state["resources"])
     if main_rank:
         MetricsLog(out / "metrics.jsonl", rows, enabled=True)
         write_json(out / "summary.json", summary)
@@ -340,8 +308,16 @@ def reuse(args, out: Path, ckpt: Path, state: dict, rows: list[dict], layer_ids,
     return summary
 
 
+def training_resources(optimization: Optimization, device) -> dict:
+    """What the training kept in memory: each optimizer state's dtype and the peak GPU memory (None on CPU);
+    kept in every checkpoint so that a reused training's summary is the one its run wrote."""
+    return {"optimizer_state_dtypes": optimization.state_dtypes(),
+            "peak_gpu_memory_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 3)
+            if device.type == "cuda" else None}
+
+
 def training_summary(args, step: int, best: dict, evals: dict, train_tokens: int, layer_ids, aux_ids,
-                     draft_vocab: int) -> dict:
+                     draft_vocab: int, resources: dict) -> dict:
     """summary.json, which the exporter reads."""
     return {
         "best": f"checkpoints/{checkpoints.step_name(best['step'])}",
@@ -357,8 +333,7 @@ def training_summary(args, step: int, best: dict, evals: dict, train_tokens: int
         "ttt_steps": args.ttt_steps,
         "train_tokens": train_tokens,
         "metrics": "metrics.jsonl",
-        "optimizer_state_dtypes": optimization.state_dtypes(),
-        "peak_gpu_memory_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 3) if device.type == "cuda" else None,
+        **resources,
     }
 
 

@@ -3,7 +3,9 @@ train or profile the same draft (benchmarks/profile_trainer.py, benchmarks/compa
 
 from __future__ import annotations
 
-OPTIMIZERS = ("adamw", "muon")  # speculators 0.9.0's (speculators/train/optimizers.py)
+from .settings import leaf
+
+OPTIMIZERS = tuple(leaf("train", "optimizer")["enum"])  # speculators 0.9.0's (speculators/train/optimizers.py)
 FROZEN, TRAINED = "frozen", "trained"
 LM_HEADS = (FROZEN, TRAINED)
 

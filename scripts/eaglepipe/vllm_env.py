@@ -34,9 +34,3 @@ def gib_above_zero(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text}: must be a number of GiB above 0")
     return value
 
-
-def add_kv_cache_argument(parser: argparse.ArgumentParser) -> None:
-    """--kv-cache-gib, the same in every stage that starts vLLM; its value goes to kv_cache_kwargs."""
-    parser.add_argument("--kv-cache-gib", type=gib_above_zero, default=None,
-                        help="vllm: the KV cache per GPU in GiB, no memory profiling (default: vLLM sizes it from "
-                             "--gpu-memory-utilization)")

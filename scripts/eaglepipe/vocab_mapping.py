@@ -16,6 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from eaglepipe.atomic import atomic_path
+from eaglepipe.settings import add_stage_arguments
 
 
 def read_token_freq(path: Path) -> tuple[torch.Tensor, dict]:
@@ -54,7 +55,7 @@ def build(freq: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torc
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m eaglepipe.vocab_mapping", description=__doc__)
     p.add_argument("--token-freq", required=True, type=Path, help="token_freq.safetensors from prepare_data")
-    p.add_argument("--draft-vocab-size", required=True, type=int)
+    add_stage_arguments(p, "vocab_mapping")
     p.add_argument("--out", required=True, type=Path)
     return p
 
