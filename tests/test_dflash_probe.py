@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from test_packed_data import LAYER_IDS, make_run
+from tiny_stages import LAYER_IDS, make_run
 
 from eaglepipe.serving_sweep import draft_method
 

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_packed_data import make_run
+from tiny_stages import make_run
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
