@@ -8,8 +8,10 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import random
+import shutil
 from pathlib import Path
 
 import torch
@@ -70,29 +72,45 @@ def write_split(model, samples: list[dict], shard_dir: Path, split: str, batch: 
     return rows
 
 
+_BUILT_RUNS: dict[tuple, tuple[Path, list[dict], list[dict]]] = {}  # make_run's arguments -> a built run
+
+
 def make_run(tmp: Path, target: Path, n_train: int = 12, n_eval: int = 6, batch: int = 4,
              draft_vocab: int = 256, seed: int = 0) -> dict:
-    """Shards of greedy data from the tiny target, manifest, and a vocab mapping holding every data token."""
+    """Shards of greedy data from the tiny target, manifest, and a vocab mapping holding every data token,
+    in ``tmp``. Built once per test process for the same arguments (greedy generation is most of a
+    unit test's time), then copied: each caller may change its own."""
+    key = (str(target), n_train, n_eval, batch, draft_vocab, seed)
+    if key not in _BUILT_RUNS:
+        built = Path(tmp).parent / f".make_run-{len(_BUILT_RUNS)}"
+        _BUILT_RUNS[key] = (built, *_build_run(built, target, n_train, n_eval, batch, draft_vocab, seed))
+    built, train, evals = _BUILT_RUNS[key]
+    shutil.copytree(built, tmp, dirs_exist_ok=True)
+    return {"manifest": tmp / "hidden_states" / "manifest.json", "vocab": tmp / "vocab_mapping.safetensors",
+            "model": target, "train": copy.deepcopy(train), "eval": copy.deepcopy(evals)}
+
+
+def _build_run(out: Path, target: Path, n_train: int, n_eval: int, batch: int, draft_vocab: int,
+               seed: int) -> tuple[list[dict], list[dict]]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
     train, evals = greedy_samples(model, n_train, seed), greedy_samples(model, n_eval, seed + 1)
-    shard_dir = tmp / "hidden_states" / "shards"
+    shard_dir = out / "hidden_states" / "shards"
     manifest = {
         "layer_ids": LAYER_IDS, "shard_dir": "shards",
         "target": {"model": str(target), "num_hidden_layers": 6, "hidden_size": 64, "vocab_size": 400},
         "splits": {"train": {"shards": write_split(model, train, shard_dir, "train", batch, 0)},
                    "eval": {"shards": write_split(model, evals, shard_dir, "eval", batch, n_train)}},
     }
-    write_manifest(tmp / "hidden_states" / "manifest.json", manifest)
+    write_manifest(out / "hidden_states" / "manifest.json", manifest)
     used = sorted({int(t) for s in train + evals for t in s["input_ids"]})
     fill = [t for t in range(400) if t not in set(used)]
     chosen = torch.tensor(sorted(used + fill[:max(0, draft_vocab - len(used))]))
     t2d = torch.zeros(400, dtype=torch.bool)
     t2d[chosen] = True
-    save_file({"d2t": chosen - torch.arange(len(chosen)), "t2d": t2d}, str(tmp / "vocab_mapping.safetensors"))
-    return {"manifest": tmp / "hidden_states" / "manifest.json", "vocab": tmp / "vocab_mapping.safetensors",
-            "model": target, "train": train, "eval": evals}
+    save_file({"d2t": chosen - torch.arange(len(chosen)), "t2d": t2d}, str(out / "vocab_mapping.safetensors"))
+    return train, evals
 
 
 def categorize(manifest_path: Path, names: list) -> None:
