@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# CI: install and start a one-node SLURM cluster on localhost (root only) for tests/test_slurm.py.
+# CI: install and start a one-node SLURM cluster on localhost (root only) for tests/e2e/test_slurm.py.
 # Debian's packages: slurmctld + slurmd (the cluster), munge (its authentication), slurmdbd +
 # MariaDB (job accounting: the test reads which jobs ran from `sacct`, which needs slurmdbd;
 # without it sacct only answers "accounting storage is disabled").
 # Exit 0: the cluster is up, or the packages could not be installed (then the reason is printed
-# and written to $SLURM_UNAVAILABLE_FILE, which tests/test_slurm.py reports as its skip reason).
+# and written to $SLURM_UNAVAILABLE_FILE, which tests/e2e/test_slurm.py reports as its skip reason).
 # Any other failure (a daemon that does not start) fails CI.
 set -euo pipefail
 
@@ -15,7 +15,7 @@ PACKAGES=(slurmctld slurmd slurm-client slurmdbd munge mariadb-server)
 rm -f "$SLURM_UNAVAILABLE_FILE"
 
 unavailable() {
-    echo "SLURM unavailable, tests/test_slurm.py will be skipped: $1" | tee "$SLURM_UNAVAILABLE_FILE" >&2
+    echo "SLURM unavailable, tests/e2e/test_slurm.py will be skipped: $1" | tee "$SLURM_UNAVAILABLE_FILE" >&2
     exit 0
 }
 

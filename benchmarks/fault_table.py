@@ -25,8 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "tests"), str(REPO / "scripts")]
 
 import tiny  # noqa: E402
-from test_workflow import tiny_config  # noqa: E402
-from workflow import (copy_workflow, differences, kill_stage, snakemake, start_snakemake,  # noqa: E402
+from workflow import (copy_workflow, differences, kill_stage, snakemake, start_snakemake, tiny_config,  # noqa: E402
                       wait_for_line, write_config)
 
 RUN = "results/tiny"

@@ -33,7 +33,6 @@ import argparse
 import logging
 import statistics
 import sys
-import tempfile
 import time
 from contextlib import closing
 from pathlib import Path
@@ -43,16 +42,16 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 
-from eaglepipe import train_draft  # noqa: E402
 from eaglepipe.acceptance import ROW_KEYS  # noqa: E402
 from eaglepipe.atomic import write_json  # noqa: E402
 from eaglepipe.draft_model import LOSS_IMPLEMENTATION, training_row_options  # noqa: E402
 from eaglepipe.evaluation import Evaluation  # noqa: E402
 from eaglepipe.layers import aux_layer_ids, validate_layer_ids  # noqa: E402
-from eaglepipe.packed_data import PackedRows, shuffle_window  # noqa: E402
+from eaglepipe.packed_data import PackedRows, add_row_loader_argument, shuffle_buffer, shuffle_window  # noqa: E402
 from eaglepipe.runtime import set_threads, setup_distributed  # noqa: E402
+from eaglepipe.settings import add_stage_arguments  # noqa: E402
 from eaglepipe.shards import load_manifest  # noqa: E402
-from eaglepipe.training import Optimization, new_draft  # noqa: E402
+from eaglepipe.training import Optimization, check_training_args, new_draft  # noqa: E402
 
 log = logging.getLogger("profile_trainer")
 PHASES = ("next_row", "to_device", "forward_loss", "backward", "optimizer", "stats")
@@ -71,8 +70,14 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.Namespace]:
     ours, rest = p.parse_known_args(argv)
     if ours.steps < 1 or ours.warmup < 1:
         p.error("--steps and --warmup must be >= 1")
-    # train_draft's parser with its defaults; out-dir is required there but nothing is written
-    targs = train_draft.parse_args([*rest, "--out-dir", tempfile.gettempdir()])
+    # train_draft's settings with the schema's defaults, as the stage's parser takes them
+    t = argparse.ArgumentParser(prog="profile_trainer (train_draft's flags)")
+    for name in ("--manifest", "--vocab", "--model"):
+        t.add_argument(name, required=True)
+    add_stage_arguments(t, "train_draft", types={"shuffle_buffer_gib": shuffle_buffer})
+    add_row_loader_argument(t)
+    targs = t.parse_args(rest)
+    check_training_args(t, targs)
     return ours, targs
 
 

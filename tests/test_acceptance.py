@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_packed_data import make_run
+from tiny_stages import Oracle, make_run
 
 from eaglepipe.acceptance import (CHAIN_KEYS, Strata, add_counts, anchor_tensors, chain_counts, check_select_by,
                                   draft_vocab_counts, eval_metrics, evaluate_rows, load_strata, select_value, split_categories,
@@ -80,24 +80,6 @@ def test_anchor_tensors_respect_documents_and_loss_mask():
     _, evaluable, valid = anchor_tensors(drafts, A, x, mask, doc)
     assert valid[:, 0].tolist() == [True, True, True, False]
     assert valid[:, 1].tolist() == [True, False, False, False]  # t1+1 is another document, t2+1 unscored
-
-
-class Oracle(torch.nn.Module):
-    """Wraps a real draft; its step-k token at anchor t is the data token ``shift`` positions ahead."""
-
-    def __init__(self, draft, t2d_index, shift):
-        super().__init__()
-        self.draft, self.t2d_index, self.shift = draft, t2d_index, shift
-        self.d2t, self.t2d, self.verifier_norm = draft.d2t, draft.t2d, draft.verifier_norm
-
-    def forward(self, input_ids, ttt_steps, **kw):
-        _, loss, metrics = self.draft(input_ids=input_ids, ttt_steps=ttt_steps, **kw)
-        ids = input_ids[0]
-        tokens = []
-        for k in range(ttt_steps):
-            ahead = torch.cat([ids[k + self.shift:], ids.new_zeros(k + self.shift)])
-            tokens.append(self.t2d_index[ahead][None])
-        return tokens, loss, metrics
 
 
 def test_draft_vocab_coverage_counts_scored_greedy_tokens_the_vocab_holds():

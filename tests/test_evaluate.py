@@ -5,25 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
-from test_packed_data import categorize, make_run
+from tiny_stages import categorize, export_like, make_run
 
 from eaglepipe import evaluate
 
 KEYS = {"acceptance_length", "k", "per_position_acceptance", "accuracy_per_position", "tokens_evaluated", "anchors",
         "convention", "reference", "draft", "manifest"}
-
-
-def export_like(tiny_llama, run, out, aux=(1, 3, 5)):
-    from eaglepipe.draft_model import build_draft
-
-    model = build_draft(tiny_llama, list(aux), run["vocab"], ttt_steps=3)
-    model.to(torch.bfloat16).save_pretrained(str(out))
-    w = load_file(str(out / "model.safetensors"))
-    del w["embed_tokens.weight"]
-    save_file(w, str(out / "model.safetensors"))
-    return out
 
 
 def test_offline_json(tiny_llama, tmp_path):

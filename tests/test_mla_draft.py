@@ -8,18 +8,16 @@ import ast
 import copy
 import json
 import logging
-import os
 import zipfile
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import tiny
+from pinned_vllm import vllm_wheel
 import torch
 from safetensors.torch import load_file
-from test_acceptance import Oracle
-from test_packed_data import make_run
-from test_train_draft import argv, metrics_rows, weights
+from tiny_stages import Oracle, make_run, metrics_rows, train_argv, weights
 
 from eaglepipe import evaluate, export_draft, mla_draft, train_draft
 from eaglepipe.draft_model import build_draft, load_draft, target_text_config
@@ -139,10 +137,10 @@ def test_ttt_alignment_oracle_reaches_accuracy_one(dsv3, run):
 
 def test_resume_after_kill_gives_identical_weights(run, tmp_path, caplog):
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    train_draft.train(train_draft.parse_args(argv(run, straight)))
-    assert train_draft.train(train_draft.parse_args(argv(run, killed)), stop_after=3) is None
+    train_draft.train(train_draft.parse_args(train_argv(run, straight)))
+    assert train_draft.train(train_draft.parse_args(train_argv(run, killed)), stop_after=3) is None
     with caplog.at_level(logging.INFO):
-        train_draft.train(train_draft.parse_args(argv(run, killed)))
+        train_draft.train(train_draft.parse_args(train_argv(run, killed)))
     assert "step-0000002 at step 2" in caplog.text
     a, b = weights(straight, 6), weights(killed, 6)
     assert "layers.0.self_attn.kv_a_proj_with_mqa.weight" in a
@@ -154,7 +152,7 @@ def test_resume_after_kill_gives_identical_weights(run, tmp_path, caplog):
 def exported(run, tmp_path_factory):
     """train_draft -> export_draft -> evaluate, all through their CLIs, on the tiny DeepseekV3 run."""
     work = tmp_path_factory.mktemp("cli")
-    train_draft.main(argv(run, work / "train", draft_architecture="mla", draft_mlp_width=96))
+    train_draft.main(train_argv(run, work / "train", draft_architecture="mla", draft_mlp_width=96))
     export_draft.main(["--summary", str(work / "train" / "summary.json"), "--verifier-name", "org/dsv3",
                        "--num-speculative-tokens", "3", "--out-dir", str(work / "draft")])
     evaluate.main(["--draft", str(work / "draft"), "--manifest", str(run["manifest"]), "--model", str(run["model"]),
@@ -237,15 +235,6 @@ def test_export_refuses_an_mla_checkpoint_trained_with_norm_before_fc(exported, 
 
 
 # ----------------------------------------------------------------------------- vLLM's own source
-def vllm_wheel() -> Path | None:
-    """The pinned wheel (pip download --no-deps vllm==0.26.0 -d /tmp/vllmwheel), or $EAGLEPIPE_VLLM_WHEEL."""
-    given = os.environ.get("EAGLEPIPE_VLLM_WHEEL")
-    if given:
-        return Path(given)
-    found = sorted(Path("/tmp/vllmwheel").glob("vllm-0.26.0-*.whl"))
-    return found[0] if found else None
-
-
 # module-building calls in vLLM's draft classes -> the shapes of the parameters they create
 LINEARS = {"ReplicatedLinear", "ColumnParallelLinear", "RowParallelLinear"}
 STACKED = {"DeepSeekV2FusedQkvAProjLinear", "MergedColumnParallelLinear"}
@@ -407,30 +396,6 @@ def test_exported_names_and_shapes_are_what_the_vllm_class_builds(exported):
     assert len(vllm_mismatches(wrong, vllm, source.mapper)) == 3
     renamed = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in tensors.items()}
     assert vllm_mismatches(renamed, vllm, source.mapper) == []  # EAGLE-3's midlayer.* names map the same
-
-
-# ----------------------------------------------------------------------------- the whole pipeline
-def test_snakemake_run_on_a_deepseek_v3_target_delivers_an_mla_draft(tmp_path):
-    """The embedded workflow, default draft.architecture (auto), on a tiny DeepseekV3 target."""
-    from test_workflow import tiny_config
-    from workflow import copy_workflow, snakemake, write_config
-
-    ws = copy_workflow(tmp_path)
-    target = tiny.make_deepseek_v3(ws / "target", num_layers=6)
-    chats = tiny.make_chats(ws / "chats.jsonl", n=24)
-    cfg = tiny_config(target, chats)
-    cfg["target"]["deploy_name"] = "tiny/dsv3"
-    write_config(ws, cfg)
-    snakemake(ws)
-    run = ws / "results" / "tiny"
-    served = json.loads((run / "draft" / "config.json").read_text())
-    assert served["architectures"] == ["Eagle3DeepseekV3ForCausalLM"] and served["eaglepipe"]["verifier"] == "tiny/dsv3"
-    card = (run / "draft" / "README.md").read_text()
-    assert "served by vLLM as `Eagle3DeepseekV3ForCausalLM`" in card and "1 x deepseek_v3 layer" in card
-    assert '"method": "eagle3", "num_speculative_tokens": 3' in card and "vllm serve tiny/dsv3" in card
-    train_log = (run / "logs" / "train_draft.log").read_text()
-    assert "draft architecture mla (auto requested): 1 x deepseek_v3 decoder layer" in train_log
-    assert json.loads((run / "eval" / "offline.json").read_text())["acceptance_length"] >= 1.0
 
 
 def test_vllm_keeps_the_exported_model_type_on_the_eagle3_path(exported):

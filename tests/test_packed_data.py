@@ -1,112 +1,18 @@
-"""Packed rows from shards: packing, shifting, determinism, resumable position, DDP slices.
-
-Also home of ``make_run``, the tiny-target run (shards from the target's real forward, manifest,
-vocab mapping) the other training/evaluation tests reuse.
-"""
+"""Packed rows from shards: packing, shifting, determinism, resumable position, DDP slices."""
 
 from __future__ import annotations
 
-import json
-import random
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from eaglepipe import packed_data
 from eaglepipe.packed_data import ROW_LOADERS, PackedRows, check_row_loader, shuffle_window
 from eaglepipe.shards import load_manifest, read_shard, write_manifest, write_shard
-
-LAYER_IDS = [1, 3, 5, 6]  # tiny Llama has 6 layers; 6 = final layer before the final norm
-
-
-@torch.no_grad()
-def greedy_samples(model, n: int, seed: int) -> list[dict]:
-    """Prompts of random tokens plus the target's greedy continuation. The continuation is cut at
-    the first token a full forward would not choose (KV-cache numerics), so data == target argmax
-    on every scored position; the last token is unscored (nothing in the data follows it)."""
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        prompt = torch.tensor([[rng.randrange(3, 400) for _ in range(rng.randint(3, 8))]])
-        ids = model.generate(prompt, max_new_tokens=rng.randint(12, 30), do_sample=False,
-                             attention_mask=torch.ones_like(prompt), pad_token_id=0)[0]
-        pred = model(ids[None]).logits[0].argmax(-1)
-        p = prompt.shape[1]
-        bad = (ids[p:] != pred[p - 1:-1]).nonzero()
-        end = p + (int(bad[0]) if len(bad) else len(ids) - p)
-        ids = ids[:end]
-        mask = torch.zeros(len(ids), dtype=torch.uint8)
-        mask[p:end - 1] = 1
-        out.append({"input_ids": ids, "loss_mask": mask})
-    return out
-
-
-@torch.no_grad()
-def states(model, ids: torch.Tensor) -> torch.Tensor:
-    """[T, L, H]: hidden_states[k] for aux ids, the final norm's input for the last id."""
-    captured = {}
-    hook = model.model.norm.register_forward_pre_hook(lambda m, a: captured.setdefault("x", a[0]))
-    try:
-        hs = model(ids[None], output_hidden_states=True).hidden_states
-    finally:
-        hook.remove()
-    layers = [hs[k][0] for k in LAYER_IDS[:-1]] + [captured["x"][0]]
-    return torch.stack(layers, dim=1)
-
-
-def write_split(model, samples: list[dict], shard_dir: Path, split: str, batch: int, start: int) -> list[dict]:
-    rows = []
-    for i in range(0, len(samples), batch):
-        part = samples[i:i + batch]
-        lengths = torch.tensor([len(s["input_ids"]) for s in part])
-        rows.append(write_shard(
-            shard_dir / f"{split}-{i // batch:06d}.safetensors",
-            torch.cat([states(model, s["input_ids"]) for s in part]),
-            torch.cat([s["input_ids"] for s in part]), torch.cat([s["loss_mask"] for s in part]),
-            torch.arange(start + i, start + i + len(part)), torch.cat([torch.zeros(1, dtype=torch.long),
-                                                                       lengths.cumsum(0)]),
-            {"layer_ids": LAYER_IDS}))
-    return rows
-
-
-def make_run(tmp: Path, target: Path, n_train: int = 12, n_eval: int = 6, batch: int = 4,
-             draft_vocab: int = 256, seed: int = 0) -> dict:
-    """Shards of greedy data from the tiny target, manifest, and a vocab mapping holding every data token."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
-    train, evals = greedy_samples(model, n_train, seed), greedy_samples(model, n_eval, seed + 1)
-    shard_dir = tmp / "hidden_states" / "shards"
-    manifest = {
-        "layer_ids": LAYER_IDS, "shard_dir": "shards",
-        "target": {"model": str(target), "num_hidden_layers": 6, "hidden_size": 64, "vocab_size": 400},
-        "splits": {"train": {"shards": write_split(model, train, shard_dir, "train", batch, 0)},
-                   "eval": {"shards": write_split(model, evals, shard_dir, "eval", batch, n_train)}},
-    }
-    write_manifest(tmp / "hidden_states" / "manifest.json", manifest)
-    used = sorted({int(t) for s in train + evals for t in s["input_ids"]})
-    fill = [t for t in range(400) if t not in set(used)]
-    chosen = torch.tensor(sorted(used + fill[:max(0, draft_vocab - len(used))]))
-    t2d = torch.zeros(400, dtype=torch.bool)
-    t2d[chosen] = True
-    save_file({"d2t": chosen - torch.arange(len(chosen)), "t2d": t2d}, str(tmp / "vocab_mapping.safetensors"))
-    return {"manifest": tmp / "hidden_states" / "manifest.json", "vocab": tmp / "vocab_mapping.safetensors",
-            "model": target, "train": train, "eval": evals}
-
-
-def categorize(manifest_path: Path, names: list) -> None:
-    """The eval split's samples get the categories ``names`` in turn (None: none), in the manifest
-    rows as extraction records them."""
-    m = json.loads(Path(manifest_path).read_text())
-    i = 0
-    for row in m["splits"]["eval"]["shards"]:
-        row["categories"] = [names[(i + j) % len(names)] for j in range(row["samples"])]
-        i += row["samples"]
-    Path(manifest_path).write_text(json.dumps(m))
+from tiny_stages import make_run
 
 
 def random_manifest(tmp: Path, lengths: list[list[int]], layers: int = 3, hidden: int = 8,

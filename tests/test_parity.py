@@ -9,8 +9,7 @@ import math
 import pytest
 import torch
 from speculators.losses import resolve_loss_config
-from test_evaluate import export_like
-from test_packed_data import make_run
+from tiny_stages import export_like, make_run
 
 from eaglepipe import evaluate
 from eaglepipe.acceptance import chain_counts, replay_walk, summarize, walk_counts

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_packed_data import make_run
+from tiny_stages import make_run
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -62,7 +62,7 @@ def test_profile_on_cpu(run, tmp_path):
 def test_refusals(run, tmp_path, monkeypatch):
     with pytest.raises(SystemExit):
         pt.main(flags(run, tmp_path / "o.json", "--steps", "0"))
-    with pytest.raises(SystemExit):  # a train_draft flag is checked by train_draft's parser
+    with pytest.raises(SystemExit):  # a train_draft flag is checked as train_draft checks it
         pt.main(flags(run, tmp_path / "o.json", "--ttt-steps", "0"))
     monkeypatch.setattr(pt.torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="no CUDA device"):

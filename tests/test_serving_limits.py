@@ -96,7 +96,7 @@ def test_a_kimi_style_target_gets_a_draft_rope_vllm_serves_as_trained(tiny_dsv3,
 
 # ----------------------------------------------------------------------------- read from the pinned wheel
 def wheel_or_skip():
-    from test_mla_draft import vllm_wheel
+    from pinned_vllm import vllm_wheel
 
     wheel = vllm_wheel()
     if wheel is None or not wheel.is_file():

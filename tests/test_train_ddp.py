@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from test_packed_data import make_run
-from test_train_draft import argv
+from tiny_stages import make_run, train_argv
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -32,7 +31,7 @@ def train(args, nproc):
 def test_two_processes_train_checkpoint_once_and_resume_on_one(run, tmp_path):
     out = tmp_path / "train"
     flags = dict(max_steps=6, checkpoint_every=2, eval_every=2)
-    log = train(argv(run, out, **flags), nproc=2)
+    log = train(train_argv(run, out, **flags), nproc=2)
     assert "world size 2" in log
     assert {"step-0000004", "step-0000006"} <= {p.name for p in (out / "checkpoints").glob("step-*")}
     saves = [l for l in log.splitlines() if "INFO eaglepipe.train_draft: checkpoint " in l]
@@ -43,7 +42,7 @@ def test_two_processes_train_checkpoint_once_and_resume_on_one(run, tmp_path):
     # as if the 2-process job died after step 4: resume it with one process
     shutil.rmtree(out / "checkpoints" / "step-0000006")
     (out / "summary.json").unlink()
-    log = train(argv(run, out, **flags), nproc=1)
+    log = train(train_argv(run, out, **flags), nproc=1)
     assert "resuming from" in log and "saved with world size 2, now 1" in log, log[-2000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 6 and summary["last"] == "checkpoints/step-0000006"
@@ -56,7 +55,7 @@ def test_each_rank_packing_its_rows_in_a_worker_process_trains_the_same_weights(
     weights = {}
     for loader in ("thread", "process"):
         out = tmp_path / loader
-        log = train(argv(run, out, max_steps=4, checkpoint_every=4, eval_every=4, row_loader=loader), nproc=2)
+        log = train(train_argv(run, out, max_steps=4, checkpoint_every=4, eval_every=4, row_loader=loader), nproc=2)
         assert "world size 2" in log and ("worker process" in log) == (loader == "process")
         weights[loader] = load_file(str(out / "checkpoints" / "step-0000004" / "model.safetensors"))
     a, b = weights["thread"], weights["process"]

@@ -11,8 +11,7 @@ import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file
-from test_packed_data import categorize, make_run
+from tiny_stages import categorize, make_run, metrics_rows, train_argv, weights
 
 from eaglepipe import train_draft, training
 
@@ -24,22 +23,6 @@ SUMMARY_KEYS = {"best", "last", "steps", "best_eval", "last_eval", "layer_ids", 
 @pytest.fixture(scope="module")
 def run(tiny_llama, tmp_path_factory):
     return make_run(tmp_path_factory.mktemp("run"), tiny_llama)
-
-
-def argv(run, out, **over):
-    flags = {"max-steps": 6, "eval-every": 3, "checkpoint-every": 2, "batch-tokens": 64, "warmup-steps": 1,
-             "lr": 3e-3, "ttt-steps": 3, "seed": 0}
-    flags.update({k.replace("_", "-"): v for k, v in over.items()})
-    return ["--manifest", str(run["manifest"]), "--vocab", str(run["vocab"]), "--model", str(run["model"]),
-            "--out-dir", str(out), *[x for k, v in flags.items() for x in (f"--{k}", str(v))]]
-
-
-def metrics_rows(out):
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def weights(out, step):
-    return load_file(str(out / "checkpoints" / f"step-{step:07d}" / "model.safetensors"))
 
 
 def test_one_step_on_a_fixed_batch_learns(run):
@@ -80,7 +63,7 @@ def test_one_step_on_a_fixed_batch_learns(run):
 
 def test_cli_outputs_and_summary(run, tmp_path):
     out = tmp_path / "train"
-    train_draft.main(argv(run, out))
+    train_draft.main(train_argv(run, out))
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary) == SUMMARY_KEYS
     assert summary["steps"] == 6 and summary["last"] == "checkpoints/step-0000006"
@@ -126,7 +109,7 @@ def test_a_two_layer_draft_trains_every_layer_exports_and_reloads(run, tmp_path)
     from eaglepipe.draft_model import load_draft
 
     out = tmp_path / "train"
-    train_draft.main(argv(run, out, draft_layers=2, max_steps=4))
+    train_draft.main(train_argv(run, out, draft_layers=2, max_steps=4))
     hidden = json.loads((run["model"] / "config.json").read_text())["hidden_size"]
     early, late = weights(out, 2), weights(out, 4)
     assert early["layers.0.self_attn.q_proj.weight"].shape[1] == 2 * hidden
@@ -142,20 +125,20 @@ def test_a_two_layer_draft_trains_every_layer_exports_and_reloads(run, tmp_path)
     assert len(reloaded.layers) == 2
     assert torch.equal(reloaded.layers[1].mlp.down_proj.weight, late["layers.1.mlp.down_proj.weight"].to(torch.bfloat16).float())
     with pytest.raises(SystemExit):
-        train_draft.parse_args(argv(run, tmp_path, draft_layers=0))
+        train_draft.parse_args(train_argv(run, tmp_path, draft_layers=0))
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_resume_after_kill_gives_identical_weights(run, tmp_path, caplog, optimizer):
     straight = tmp_path / "straight"
-    train_draft.train(train_draft.parse_args(argv(run, straight, optimizer=optimizer)))
+    train_draft.train(train_draft.parse_args(train_argv(run, straight, optimizer=optimizer)))
     killed = tmp_path / "killed"
     # last checkpoint: 2
-    assert train_draft.train(train_draft.parse_args(argv(run, killed, optimizer=optimizer)), stop_after=3) is None
+    assert train_draft.train(train_draft.parse_args(train_argv(run, killed, optimizer=optimizer)), stop_after=3) is None
     assert max(r["step"] for r in metrics_rows(killed)) == 3
     (killed / "metrics.jsonl").unlink()  # as Snakemake does with a failed job's declared outputs
     with caplog.at_level(logging.INFO):
-        train_draft.train(train_draft.parse_args(argv(run, killed, optimizer=optimizer)))
+        train_draft.train(train_draft.parse_args(train_argv(run, killed, optimizer=optimizer)))
     assert "resuming from" in caplog.text and "step-0000002 at step 2" in caplog.text
     a, b = weights(straight, 6), weights(killed, 6)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -170,11 +153,11 @@ def test_resume_after_kill_gives_identical_weights(run, tmp_path, caplog, optimi
 
 def test_rows_packed_by_a_worker_process_train_the_same_weights_and_resume_a_thread_run(run, tmp_path, caplog):
     thread = tmp_path / "thread"
-    train_draft.train(train_draft.parse_args(argv(run, thread)))
+    train_draft.train(train_draft.parse_args(train_argv(run, thread)))
     process = tmp_path / "process"
-    assert train_draft.train(train_draft.parse_args(argv(run, process, row_loader="thread")), stop_after=3) is None
+    assert train_draft.train(train_draft.parse_args(train_argv(run, process, row_loader="thread")), stop_after=3) is None
     with caplog.at_level(logging.INFO):
-        train_draft.train(train_draft.parse_args(argv(run, process, row_loader="process")))
+        train_draft.train(train_draft.parse_args(train_argv(run, process, row_loader="process")))
     assert "step-0000002 at step 2" in caplog.text and "packed ahead by a worker process" in caplog.text
     a, b = weights(thread, 6), weights(process, 6)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -182,14 +165,14 @@ def test_rows_packed_by_a_worker_process_train_the_same_weights_and_resume_a_thr
 
 def test_changed_setting_starts_fresh_and_incomplete_checkpoint_is_ignored(run, tmp_path, caplog):
     out = tmp_path / "train"
-    train_draft.train(train_draft.parse_args(argv(run, out, max_steps=4)), stop_after=4)
+    train_draft.train(train_draft.parse_args(train_argv(run, out, max_steps=4)), stop_after=4)
     (out / "checkpoints" / "step-0000004" / "COMPLETE").unlink()  # as if killed while writing it
     with caplog.at_level(logging.INFO):
-        train_draft.train(train_draft.parse_args(argv(run, out, max_steps=4)))
+        train_draft.train(train_draft.parse_args(train_argv(run, out, max_steps=4)))
     assert "step-0000002 at step 2" in caplog.text  # the incomplete step-4 was skipped
     caplog.clear()
     with caplog.at_level(logging.INFO):
-        train_draft.train(train_draft.parse_args(argv(run, out, max_steps=4, lr=1e-3)))
+        train_draft.train(train_draft.parse_args(train_argv(run, out, max_steps=4, lr=1e-3)))
     assert "starting fresh" in caplog.text and "other settings" in caplog.text
     assert [r["step"] for r in metrics_rows(out) if r["split"] == "eval"][0] == 0
     assert json.loads((out / "summary.json").read_text())["steps"] == 4
@@ -197,7 +180,7 @@ def test_changed_setting_starts_fresh_and_incomplete_checkpoint_is_ignored(run, 
 
 def test_best_checkpoint_chosen_by_a_stratum(run, tmp_path):
     out = tmp_path / "train"
-    summary = train_draft.train(train_draft.parse_args(argv(run, out, context_buckets=8, select_by="context:>8")))
+    summary = train_draft.train(train_draft.parse_args(train_argv(run, out, context_buckets=8, select_by="context:>8")))
     assert summary["best_selected_by"] == "context:>8"
     evals = {r["step"]: r for r in metrics_rows(out) if r["split"] == "eval" and r["step"] in (2, 4, 6)}
     chosen = [evals[s]["strata"]["context"][">8"]["acceptance_length"] for s in (2, 4, 6)]
@@ -205,7 +188,7 @@ def test_best_checkpoint_chosen_by_a_stratum(run, tmp_path):
     assert evals[best_step]["strata"]["context"][">8"]["acceptance_length"] == max(chosen)
     assert summary["best_eval"]["strata"]["context"][">8"]["anchors"] > 0
     with pytest.raises(SystemExit, match=r"--select-by 'context:>9'.*context:<=8"):
-        train_draft.train(train_draft.parse_args(argv(run, tmp_path / "bad", context_buckets=8,
+        train_draft.train(train_draft.parse_args(train_argv(run, tmp_path / "bad", context_buckets=8,
                                                       select_by="context:>9")))
 
 
@@ -213,7 +196,7 @@ def test_best_checkpoint_chosen_by_a_category_stratum(tiny_llama, tmp_path):
     run = make_run(tmp_path, tiny_llama)
     categorize(run["manifest"], ["coding", None, "writing"])
     out = tmp_path / "train"
-    summary = train_draft.train(train_draft.parse_args(argv(run, out, select_by="category:writing")))
+    summary = train_draft.train(train_draft.parse_args(train_argv(run, out, select_by="category:writing")))
     assert summary["best_selected_by"] == "category:writing"
     evals = {r["step"]: r for r in metrics_rows(out) if r["split"] == "eval"}
     for r in evals.values():  # the categories add up, as every stratum does
@@ -223,7 +206,7 @@ def test_best_checkpoint_chosen_by_a_category_stratum(tiny_llama, tmp_path):
     best_step = int(summary["best"].rsplit("-", 1)[1])
     assert evals[best_step]["strata"]["category"]["writing"]["acceptance_length"] == max(chosen)
     with pytest.raises(SystemExit, match=r"--select-by 'category:math'.*category:coding, category:none"):
-        train_draft.train(train_draft.parse_args(argv(run, tmp_path / "bad", select_by="category:math")))
+        train_draft.train(train_draft.parse_args(train_argv(run, tmp_path / "bad", select_by="category:math")))
 
 
 def test_muon_takes_the_decoders_matrices_and_adamw_the_rest(run, tmp_path):
@@ -232,7 +215,7 @@ def test_muon_takes_the_decoders_matrices_and_adamw_the_rest(run, tmp_path):
     torch.manual_seed(0)
     model = build_draft(run["model"], [1, 3, 5], run["vocab"], ttt_steps=3)
     names = {id(p): n for n, p in model.named_parameters()}
-    muon, adamw = training.Optimization(train_draft.parse_args(argv(run, tmp_path, optimizer="muon")),
+    muon, adamw = training.Optimization(train_draft.parse_args(train_argv(run, tmp_path, optimizer="muon")),
                                            model).optimizers
     assert type(muon) is torch.optim.Muon and type(adamw) is torch.optim.AdamW
     in_muon = {names[id(p)] for g in muon.param_groups for p in g["params"]}
@@ -242,11 +225,11 @@ def test_muon_takes_the_decoders_matrices_and_adamw_the_rest(run, tmp_path):
     assert all(p.ndim == 2 for g in muon.param_groups for p in g["params"])
     # speculators' defaults: the Muon group decays weights by 0.1 unless told
     assert muon.param_groups[0]["weight_decay"] == 0.1 and muon.param_groups[0]["lr"] == adamw.param_groups[0]["lr"]
-    args = train_draft.parse_args([*argv(run, tmp_path, optimizer="muon"), "--muon-weight-decay", "0"])
+    args = train_draft.parse_args([*train_argv(run, tmp_path, optimizer="muon"), "--muon-weight-decay", "0"])
     assert training.Optimization(args, model).optimizers[0].param_groups[0]["weight_decay"] == 0.0
-    (only,) = training.Optimization(train_draft.parse_args(argv(run, tmp_path, optimizer="adamw")), model).optimizers
+    (only,) = training.Optimization(train_draft.parse_args(train_argv(run, tmp_path, optimizer="adamw")), model).optimizers
     assert type(only) is torch.optim.AdamW
-    assert train_draft.parse_args(argv(run, tmp_path)).optimizer == "muon"  # the default, the schema's
+    assert train_draft.parse_args(train_argv(run, tmp_path)).optimizer == "muon"  # the default, the schema's
 
 
 def test_lm_head_stays_the_targets_rows_unless_trained(run, tmp_path):
@@ -256,13 +239,13 @@ def test_lm_head_stays_the_targets_rows_unless_trained(run, tmp_path):
 
     rows = load_target_head(run["model"])[load_vocab_mapping(run["vocab"])[1]]
     frozen = tmp_path / "frozen"
-    train_draft.main(argv(run, frozen, optimizer="muon"))
+    train_draft.main(train_argv(run, frozen, optimizer="muon"))
     assert torch.equal(weights(frozen, 6)["lm_head.weight"].float(), rows)
     trained = tmp_path / "trained"
-    train_draft.main([*argv(run, trained, optimizer="muon"), "--lm-head", "trained"])
+    train_draft.main([*train_argv(run, trained, optimizer="muon"), "--lm-head", "trained"])
     moved = weights(trained, 6)["lm_head.weight"].float()
     assert moved.shape == rows.shape and not torch.allclose(moved, rows)
-    args = train_draft.parse_args([*argv(run, tmp_path, optimizer="muon"), "--lm-head", "trained"])
+    args = train_draft.parse_args([*train_argv(run, tmp_path, optimizer="muon"), "--lm-head", "trained"])
     model = training.new_draft(args, [1, 3, 5], "cpu")
     muon, adamw = training.Optimization(args, model).optimizers
     assert any(p is model.lm_head.weight for g in adamw.param_groups for p in g["params"])
@@ -271,20 +254,20 @@ def test_lm_head_stays_the_targets_rows_unless_trained(run, tmp_path):
 
 def test_bad_flags_and_inputs_are_clear_errors(run, tmp_path, capsys):
     with pytest.raises(SystemExit):
-        train_draft.parse_args(argv(run, tmp_path, max_steps=0))
-    assert train_draft.parse_args(argv(run, tmp_path)).shuffle_buffer_gib == "global"  # the default
-    assert train_draft.parse_args([*argv(run, tmp_path), "--shuffle-buffer-gib", "4"]).shuffle_buffer_gib == 4.0
+        train_draft.parse_args(train_argv(run, tmp_path, max_steps=0))
+    assert train_draft.parse_args(train_argv(run, tmp_path)).shuffle_buffer_gib == "global"  # the default
+    assert train_draft.parse_args([*train_argv(run, tmp_path), "--shuffle-buffer-gib", "4"]).shuffle_buffer_gib == 4.0
     for bad in ("-1", "all", "nan"):
         with pytest.raises(SystemExit):
-            train_draft.parse_args([*argv(run, tmp_path), "--shuffle-buffer-gib", bad])
+            train_draft.parse_args([*train_argv(run, tmp_path), "--shuffle-buffer-gib", bad])
         assert f"'{bad}': global or a number of GiB >= 0" in capsys.readouterr().err
     for bad in (["--optimizer", "adamw", "--muon-weight-decay", "0.1"], ["--muon-weight-decay", "-1"]):
         with pytest.raises(SystemExit):
-            train_draft.parse_args([*argv(run, tmp_path), *bad])
+            train_draft.parse_args([*train_argv(run, tmp_path), *bad])
         assert "only with --optimizer muon, and >= 0" in capsys.readouterr().err
     bad = tmp_path / "manifest.json"
     bad.write_text("{}")
-    args = argv(run, tmp_path / "o")
+    args = train_argv(run, tmp_path / "o")
     args[1] = str(bad)
     with pytest.raises(SystemExit, match="missing key"):
         train_draft.main(args)
@@ -292,16 +275,16 @@ def test_bad_flags_and_inputs_are_clear_errors(run, tmp_path, capsys):
 
 def test_every_flag_changes_the_run_settings_unless_listed_as_neutral(run, tmp_path):
     """A new flag counts as changing results until RESULT_NEUTRAL lists it; every listed one is a flag."""
-    args = train_draft.parse_args(argv(run, tmp_path))
+    args = train_draft.parse_args(train_argv(run, tmp_path))
     flags = set(vars(args))
     assert set(train_draft.RESULT_NEUTRAL) <= flags, set(train_draft.RESULT_NEUTRAL) - flags
     manifest = json.loads(run["manifest"].read_text())
     settings = train_draft.run_settings(args, manifest)
     assert flags - set(train_draft.RESULT_NEUTRAL) <= set(settings)
     for flag, value in (("eval_every", 2), ("checkpoint_every", 3), ("loss", "ce"), ("lm_head", "trained")):
-        changed = train_draft.run_settings(train_draft.parse_args(argv(run, tmp_path, **{flag: value})), manifest)
+        changed = train_draft.run_settings(train_draft.parse_args(train_argv(run, tmp_path, **{flag: value})), manifest)
         assert changed != settings, flag
-    moved = train_draft.run_settings(train_draft.parse_args(argv(run, tmp_path / "elsewhere")), manifest)
+    moved = train_draft.run_settings(train_draft.parse_args(train_argv(run, tmp_path / "elsewhere")), manifest)
     assert moved == settings
 
 
@@ -309,14 +292,14 @@ def test_a_rerun_over_a_finished_training_takes_its_result_without_a_step(run, t
     """What a rerun of the job does, whatever made Snakemake run it (an identical manifest rebuilt,
     `--forcerun train_draft`): the same outputs from the finished checkpoints, no model built."""
     out = tmp_path / "train"
-    first = train_draft.train(train_draft.parse_args(argv(run, out, max_steps=4)))
+    first = train_draft.train(train_draft.parse_args(train_argv(run, out, max_steps=4)))
     written = {name: (out / name).read_bytes() for name in ("summary.json", "metrics.jsonl")}
     ckpts = {p.name: p.stat().st_mtime_ns for p in (out / "checkpoints").iterdir()}
     for name in written:
         (out / name).unlink()  # as Snakemake does before it runs the job
     monkeypatch.setattr(train_draft, "new_draft", None)  # a step would need the model
     with caplog.at_level(logging.INFO):
-        assert train_draft.train(train_draft.parse_args(argv(run, out, max_steps=4))) == first
+        assert train_draft.train(train_draft.parse_args(train_argv(run, out, max_steps=4))) == first
     assert "reusing the finished training" in caplog.text and "starting fresh" not in caplog.text
     assert {name: (out / name).read_bytes() for name in written} == written
     assert {p.name: p.stat().st_mtime_ns for p in (out / "checkpoints").iterdir()} == ckpts
@@ -325,17 +308,17 @@ def test_a_rerun_over_a_finished_training_takes_its_result_without_a_step(run, t
 def test_a_finished_training_of_other_code_is_retrained_and_kept_until_the_first_new_checkpoint(
         run, tmp_path, caplog, monkeypatch):
     out = tmp_path / "train"
-    train_draft.train(train_draft.parse_args(argv(run, out, max_steps=4)))
+    train_draft.train(train_draft.parse_args(train_argv(run, out, max_steps=4)))
     first = metrics_rows(out)
     finished = sorted(p.name for p in (out / "checkpoints").glob("step-*"))
     monkeypatch.setattr(train_draft, "code_digest", lambda *_: "edited")
     with caplog.at_level(logging.INFO):  # killed before its first checkpoint
-        assert train_draft.train(train_draft.parse_args(argv(run, out, max_steps=4)), stop_after=1) is None
+        assert train_draft.train(train_draft.parse_args(train_argv(run, out, max_steps=4)), stop_after=1) is None
     assert "retraining from scratch" in caplog.text and "made by other code" in caplog.text
     assert sorted(p.name for p in (out / "checkpoints").glob("superseded-*")) == [f"superseded-{n}" for n in finished]
     caplog.clear()
     with caplog.at_level(logging.INFO):
-        train_draft.train(train_draft.parse_args(argv(run, out, max_steps=4)))
+        train_draft.train(train_draft.parse_args(train_argv(run, out, max_steps=4)))
     assert "starting fresh" in caplog.text
     assert not list((out / "checkpoints").glob("superseded-*"))
 
@@ -345,23 +328,23 @@ def test_a_finished_training_of_other_code_is_retrained_and_kept_until_the_first
     assert strip(metrics_rows(out)) == strip(first) and first[-1]["step"] == 4  # the full curve again
     caplog.clear()
     with caplog.at_level(logging.INFO):  # made by this code now: reused
-        train_draft.train(train_draft.parse_args(argv(run, out, max_steps=4)))
+        train_draft.train(train_draft.parse_args(train_argv(run, out, max_steps=4)))
     assert "reusing the finished training" in caplog.text
 
 
 def test_a_failing_start_with_new_settings_removes_no_checkpoint(run, tmp_path):
     out = tmp_path / "train"
-    train_draft.train(train_draft.parse_args(argv(run, out, max_steps=4)))
+    train_draft.train(train_draft.parse_args(train_argv(run, out, max_steps=4)))
     kept = sorted(p.name for p in (out / "checkpoints").iterdir())
     with pytest.raises(SystemExit, match="--select-by 'context:>9'"):
-        train_draft.train(train_draft.parse_args(argv(run, out, max_steps=4, context_buckets=8,
+        train_draft.train(train_draft.parse_args(train_argv(run, out, max_steps=4, context_buckets=8,
                                                       select_by="context:>9")))
     shard = next((run["manifest"].parent / "shards").glob("train-*.safetensors"))
     data = shard.read_bytes()
     try:
         shard.write_bytes(data[: len(data) // 2])
         with pytest.raises(SystemExit, match=str(shard.name)):
-            train_draft.train(train_draft.parse_args(argv(run, out, max_steps=4, lr=1e-3)))
+            train_draft.train(train_draft.parse_args(train_argv(run, out, max_steps=4, lr=1e-3)))
     finally:
         shard.write_bytes(data)
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == kept
@@ -375,7 +358,7 @@ def test_cpu_training_gives_the_same_weights_at_any_thread_count(run, tmp_path):
     def train(threads: int, out, mkl_cbwr: str | None):
         env = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"}
         env.update(OMP_NUM_THREADS=str(threads), MKL_ENABLE_INSTRUCTIONS="AVX2", **({"MKL_CBWR": mkl_cbwr} if mkl_cbwr else {}))
-        subprocess.run([sys.executable, "-m", "eaglepipe.train_draft", *argv(run, out)], env=env, check=True,
+        subprocess.run([sys.executable, "-m", "eaglepipe.train_draft", *train_argv(run, out)], env=env, check=True,
                        capture_output=True)
         return weights(out, 6)
 

@@ -383,3 +383,18 @@ def make_thinking_chats(path: str | Path, n: int = 40, seed: int = 0) -> Path:
                     rec["messages"].append({"role": "assistant", "content": answer})
             f.write(json.dumps(rec) + "\n")
     return Path(path)
+
+
+def make_workflow_inputs(out_dir: str | Path) -> None:
+    """What tests/configs/*.yaml name under results/tiny-inputs: the targets and the 24 chats the
+    whole-workflow tests make for themselves."""
+    out_dir = Path(out_dir)
+    make_llama(out_dir / "llama")
+    make_deepseek_v3(out_dir / "dsv3", num_layers=6)
+    make_chats(out_dir / "chats.jsonl", n=24)
+
+
+if __name__ == "__main__":  # python tests/tiny.py results/tiny-inputs
+    import sys
+
+    make_workflow_inputs(sys.argv[1])

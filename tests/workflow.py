@@ -15,6 +15,9 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 WORKFLOW_PARTS = ["Snakefile", "rules", "scripts", "config", "report", "envs"]
+# the jobs of a whole run of tests/configs/tiny.yaml
+STAGES = {"prepare_data", "vocab_mapping", "extract_hidden_states", "gather_hidden_states",
+          "train_draft", "export_draft", "evaluate_offline", "model_card", "plot_report", "all"}
 
 
 def copy_workflow(dest: Path) -> Path:
@@ -25,6 +28,13 @@ def copy_workflow(dest: Path) -> Path:
         else:
             shutil.copy2(src, dest / part)
     return dest
+
+
+def tiny_config(target: Path, chats: Path, name: str = "tiny") -> dict:
+    """tests/configs/<name>.yaml with its target and chats at the given paths."""
+    cfg = yaml.safe_load((REPO / "tests" / "configs" / f"{name}.yaml").read_text())
+    cfg["target"]["model"], cfg["data"]["path"] = str(target), str(chats)
+    return cfg
 
 
 def write_config(ws: Path, cfg: dict) -> None:
@@ -79,6 +89,13 @@ def dry_run(ws: Path, *args: str) -> tuple[dict[str, int], dict[str, set[str]], 
             elif current and line.startswith("        "):
                 reasons[current] = {x.strip() for x in line.split(",") if x.strip()}
     return jobs, reasons, out
+
+
+def refused(ws: Path, *args: str) -> str:
+    """The output of a `snakemake -n` that must fail."""
+    p = snakemake(ws, "-n", *args, check=False)
+    assert p.returncode != 0, p.stdout + p.stderr
+    return p.stdout + p.stderr
 
 
 def summary(ws: Path, *args: str) -> dict[str, dict]:

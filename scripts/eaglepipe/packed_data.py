@@ -76,6 +76,14 @@ ROW_LOADERS = ("thread", "process")
 SHARED_MEMORY = "/dev/shm"
 
 
+def add_row_loader_argument(parser) -> None:
+    """--row-loader, which train_draft and benchmarks/profile_trainer.py take (not a setting: the rows
+    are the same whichever packs them)."""
+    parser.add_argument("--row-loader", default="thread", choices=ROW_LOADERS,
+                        help="what packs the next rows during a step: a thread, or a worker process (the GIL "
+                             "stays with the step; rows cross in shared memory); the rows are the same")
+
+
 def check_row_loader(loader: str, row_bytes: int, depth: int = 2) -> None:
     """Refuse a worker process (``process``) where shared memory cannot hold the rows in flight:
     its rows cross in shared memory, and a container's 64 MB /dev/shm would kill it with SIGBUS."""

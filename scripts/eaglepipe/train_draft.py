@@ -32,12 +32,12 @@ from .dir_lock import dir_lock
 from .draft_model import LOSS_IMPLEMENTATION
 from .model_dir import check_model_dir
 from .layers import aux_layer_ids, validate_layer_ids
-from .packed_data import ROW_LOADERS, PackedRows, shuffle_buffer, shuffle_window
+from .packed_data import PackedRows, add_row_loader_argument, shuffle_buffer, shuffle_window
 from .progress import TokenProgress
 from .runtime import all_reduce, rng_state, set_rng_state, set_threads, setup_distributed
 from .settings import add_stage_arguments
 from .shards import load_manifest
-from .training import Optimization, new_draft
+from .training import Optimization, check_training_args, new_draft
 
 log = logging.getLogger("eaglepipe.train_draft")
 
@@ -49,24 +49,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="target model directory (embeddings, final norm, lm_head)")
     p.add_argument("--out-dir", required=True)
     add_stage_arguments(p, "train_draft", types={"shuffle_buffer_gib": shuffle_buffer})
-    p.add_argument("--row-loader", default="thread", choices=ROW_LOADERS,
-                   help="what packs the next rows during a step: a thread, or a worker process (the GIL stays "
-                        "with the step; rows cross in shared memory); the rows are the same")
+    add_row_loader_argument(p)
     return p
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = build_parser()
     args = p.parse_args(argv)
-    for name in ("ttt_steps", "max_steps", "batch_tokens", "eval_every", "checkpoint_every", "draft_layers"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
-    if args.draft_mlp_width is not None and args.draft_mlp_width < 1:
-        p.error(f"--draft-mlp-width {args.draft_mlp_width}: must be >= 1")
-    if args.warmup_steps < 0 or args.lr <= 0 or args.weight_decay < 0 or args.ttt_step_loss_decay <= 0:
-        p.error("--warmup-steps and --weight-decay must be >= 0, --lr and --ttt-step-loss-decay > 0")
-    if args.muon_weight_decay is not None and (args.optimizer != "muon" or args.muon_weight_decay < 0):
-        p.error(f"--muon-weight-decay {args.muon_weight_decay}: only with --optimizer muon, and >= 0")
+    check_training_args(p, args)
     return args
 
 

@@ -17,10 +17,9 @@ import pytest
 import yaml
 
 import tiny
-from test_workflow import STAGES, tiny_config
-from workflow import REPO, copy_workflow, differences, dry_run, snakemake, write_config
+from workflow import REPO, STAGES, copy_workflow, differences, dry_run, snakemake, tiny_config, write_config
 
-pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+pytestmark = [pytest.mark.slurm, pytest.mark.e2e]
 
 # Written by .ci/slurm.sh when it cannot install the SLURM packages: the skip reason.
 UNAVAILABLE = Path("/tmp/eaglepipe-slurm-unavailable")

@@ -1,0 +1,58 @@
+"""The README's main command on the embedded default: a real small target, real chat data, CPU.
+
+Slow (~8-10 minutes on 2 cores): the same run a user gets from `snakemake --cores all`.
+"""
+
+import json
+
+import pytest
+
+from workflow import copy_workflow, dry_run, snakemake
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    """A finished run of the embedded default, its target built by the pipeline."""
+    ws = copy_workflow(tmp_path_factory.mktemp("demo"))
+    jobs, _, _ = dry_run(ws)
+    assert "build_target" in jobs  # the target is built from the packaged GGUF, not downloaded
+    snakemake(ws, timeout=1800)
+    return ws
+
+
+def test_embedded_default_end_to_end(demo):
+    run = demo / "results" / "smollm2-demo"
+    stats = json.loads((run / "data" / "stats.json").read_text())
+    assert stats["read"] == stats["kept"] + stats["skipped"] and stats["kept"] >= 100
+    manifest = json.loads((run / "hidden_states" / "manifest.json").read_text())
+    assert manifest["layer_ids"] == [2, 15, 27, 30]  # SmolLM2-135M: 30 layers, default ids
+    evals = [json.loads(l) for l in (run / "train" / "metrics.jsonl").read_text().splitlines()
+             if '"eval"' in l]
+    untrained = evals[0]["acceptance_length"]
+    offline = json.loads((run / "eval" / "offline.json").read_text())
+    # training on the real target's states must learn: the untrained draft accepts ~nothing
+    assert untrained < 1.05
+    assert offline["acceptance_length"] > untrained + 0.15, (untrained, offline)
+    card = (run / "draft" / "README.md").read_text()
+    assert "--speculative-config" in card
+    jobs, _, out = dry_run(demo)
+    assert jobs == {}, out
+
+
+def test_the_built_target_loads_and_answers(demo):
+    """build_target's full build of SmolLM2 from the packaged GGUF (its fast parts: tests/test_build_target.py)."""
+    import torch
+    from safetensors import safe_open
+
+    models = demo / "results" / "models"
+    out = models / "SmolLM2-135M-Instruct"
+    assert "Paris" in (demo / "results" / "logs" / "build_target.log").read_text()
+    assert sorted(p.name for p in models.iterdir()) == ["SmolLM2-135M-Instruct"]  # no temporaries left
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["dtype"] == "bfloat16" and "quantization_config" not in cfg
+    assert cfg["num_hidden_layers"] == 30 and cfg["vocab_size"] == 49152 and cfg["tie_word_embeddings"]
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert f.get_tensor("model.embed_tokens.weight").dtype == torch.bfloat16
+    assert (out / "chat_template.jinja").read_text().startswith("{% for message in messages %}")

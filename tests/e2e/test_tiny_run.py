@@ -1,0 +1,171 @@
+"""A tiny end-to-end run of tests/configs/tiny.yaml on CPU: its outputs, what reruns after a change
+of settings, code or data, and what never does."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+import tiny
+from workflow import STAGES, copy_workflow, dry_run, refused, snakemake, summary, tiny_config, write_config
+
+pytestmark = pytest.mark.e2e
+
+
+# On the caller's PYTHONPATH only: every stage interpreter that sees it records its module.
+SITECUSTOMIZE = """
+import atexit, os, sys
+def _record():
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    with open(os.path.join(os.path.dirname(__file__), "stages.txt"), "a") as f:
+        f.write((spec.name if spec else "?") + "\\n")
+atexit.register(_record)
+"""
+
+
+@pytest.fixture(scope="module")
+def done_run(tmp_path_factory):
+    """A finished tiny end-to-end run in a copy of the workflow, started with a PYTHONPATH of
+    the caller's own (as `pip install --target DIR` users have)."""
+    ws = copy_workflow(tmp_path_factory.mktemp("ws"))
+    target = tiny.make_llama(ws / "target")
+    chats = tiny.make_chats(ws / "chats.jsonl", n=24)
+    write_config(ws, tiny_config(target, chats))
+    jobs, reasons, _ = dry_run(ws)
+    assert set(jobs) == STAGES, jobs
+    assert set(reasons["output files have to be generated"]) == STAGES - {"all"}
+    callers = tmp_path_factory.mktemp("callers_site")
+    (callers / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    snakemake(ws, pythonpath=str(callers))
+    (ws / "callers_stages.txt").write_text((callers / "stages.txt").read_text())
+    return ws
+
+
+def test_stages_keep_the_callers_pythonpath(done_run):
+    seen = set((done_run / "callers_stages.txt").read_text().split())
+    stages = {f"eaglepipe.{m}" for m in ("prepare_data", "vocab_mapping", "extract_hidden_states",
+                                          "gather_manifest", "train_draft", "export_draft",
+                                          "evaluate", "model_card", "plots")}
+    assert stages <= seen, seen
+
+
+def test_end_to_end_outputs(done_run):
+    run = done_run / "results" / "tiny"
+    cfg = json.loads((run / "draft" / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "eagle3"
+    assert cfg["speculators_config"]["verifier"]["name_or_path"] == "tiny/llama"
+    manifest = json.loads((run / "hidden_states" / "manifest.json").read_text())
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == manifest["layer_ids"][:-1]
+    assert manifest["layer_ids"] == [1, 3, 5, 6]  # the default for 6 layers: 3 distinct aux ids, then N
+    with safe_open(str(run / "draft" / "model.safetensors"), "pt") as f:
+        assert {"d2t", "t2d", "fc.weight"} <= set(f.keys())
+    offline = json.loads((run / "eval" / "offline.json").read_text())
+    assert offline["tokens_evaluated"] > 0
+    assert 1.0 <= offline["acceptance_length"] <= 1 + offline["k"]
+    for svg in ("training.svg", "data_stats.svg"):
+        assert (run / "report" / svg).read_text().lstrip().startswith(("<?xml", "<svg"))
+    stats = json.loads((run / "data" / "stats.json").read_text())
+    assert stats["kept"] > 0
+
+
+def test_nothing_to_do_after_a_full_run(done_run):
+    jobs, _, out = dry_run(done_run)
+    assert jobs == {}, out
+    assert "Nothing to be done" in out
+    rows = summary(done_run)
+    assert rows and all(r["plan"] == "no update" for r in rows.values()), rows
+
+
+def test_training_setting_reruns_training_and_what_follows_only(done_run):
+    for setting in ('train={"lr": 0.002}', 'train={"optimizer": "muon", "muon_weight_decay": 0.05}',
+                    'train={"lm_head": "trained"}', 'draft={"layers": 2}'):
+        jobs, reasons, _ = dry_run(done_run, "--config", setting)
+        assert set(jobs) == {"train_draft", "export_draft", "evaluate_offline", "model_card", "plot_report", "all"}
+        assert "train_draft" in reasons["params have changed since last execution"]
+
+
+def test_settings_that_change_no_output_rerun_nothing(done_run):
+    """Where vLLM's files wait (extract.staging_dir) changes no shard: training must not rerun."""
+    jobs, _, out = dry_run(done_run, "--config", f'extract={{"staging_dir": "{done_run / "staging"}"}}')
+    assert jobs == {}, out
+
+
+def test_data_setting_reruns_from_tokenization(done_run):
+    jobs, _, _ = dry_run(done_run, "--config", 'data={"max_length": 80}')
+    assert set(jobs) == STAGES
+
+
+def test_template_settings_rerun_from_tokenization(done_run):
+    jobs, reasons, _ = dry_run(done_run, "--config", 'data={"chat_template_kwargs": {"enable_thinking": false}}')
+    assert set(jobs) == STAGES and "prepare_data" in reasons["params have changed since last execution"]
+    template = done_run / "template.jinja"
+    template.write_text(tiny.CHATML_TEMPLATE)
+    jobs, _, _ = dry_run(done_run, "--config", f'data={{"chat_template": "{template}"}}')
+    assert set(jobs) == STAGES
+    jobs, _, _ = dry_run(done_run, "--config", 'data={"rerendered_turns": "context"}')
+    assert set(jobs) == STAGES
+
+
+def test_a_changed_data_stats_file_reruns_the_rules_that_read_it(done_run):
+    stats = done_run / "results" / "tiny" / "data" / "stats.json"
+    original, times = stats.read_text(), stats.stat()
+    try:
+        stats.write_text(original.replace("{", '{"edited": true, ', 1))
+        jobs, reasons, _ = dry_run(done_run)
+        assert set(jobs) == {"plot_report", "model_card", "all"}
+        assert {"plot_report", "model_card"} <= set(reasons["updated input files"])
+    finally:
+        stats.write_text(original)
+        os.utime(stats, ns=(times.st_atime_ns, times.st_mtime_ns))
+
+
+def test_code_edit_reruns_that_stage_and_its_dependants(done_run):
+    module = done_run / "scripts" / "eaglepipe" / "export_draft.py"
+    original = module.read_text()
+    try:
+        module.write_text(original + "\n# an edit\n")
+        jobs, reasons, _ = dry_run(done_run)
+        assert set(jobs) == {"export_draft", "evaluate_offline", "model_card", "plot_report", "all"}
+        assert "export_draft" in reasons["params have changed since last execution"]
+    finally:
+        module.write_text(original)
+    module = done_run / "scripts" / "eaglepipe" / "extract_hf.py"
+    original = module.read_text()
+    try:
+        module.write_text(original + "\n# an edit\n")
+        jobs, _, _ = dry_run(done_run)
+        assert set(jobs) == STAGES - {"prepare_data", "vocab_mapping"}
+    finally:
+        module.write_text(original)
+
+
+def test_delivered_draft_is_write_protected(done_run):
+    # The exporter writes the draft read-only and never over a delivered one (rules/export.smk,
+    # tests/test_export_draft.py); the card is rewritten whenever the evaluation reruns.
+    for name in ("config.json", "model.safetensors"):
+        f = done_run / "results" / "tiny" / "draft" / name
+        assert not (f.stat().st_mode & 0o222), f"{f} is writable"
+
+
+def tree_digest(root: Path) -> dict[str, tuple[int, str]]:
+    return {str(f.relative_to(root)): (f.stat().st_mode, hashlib.sha256(f.read_bytes()).hexdigest())
+            for f in sorted(root.rglob("*")) if f.is_file()} | {"/": (root.stat().st_mode, "")}
+
+
+def test_forced_reruns_never_touch_the_users_model_directory(tmp_path):
+    ws = copy_workflow(tmp_path)
+    target = tiny.make_llama(tmp_path / "users-model")
+    chats = tiny.make_chats(ws / "chats.jsonl", n=16)
+    cfg = tiny_config(target, chats)
+    cfg["train"].update(max_steps=2, eval_every=2, checkpoint_every=2)
+    write_config(ws, cfg)
+    before = tree_digest(target)
+    assert "No rule to produce build_target" in refused(ws, "--forcerun", "build_target")  # nothing builds it
+    snakemake(ws, "-F")
+    assert (ws / "results" / "tiny" / "draft" / "README.md").is_file()
+    assert tree_digest(target) == before
