@@ -86,7 +86,6 @@ def checkpoint_files(ws: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-@pytest.mark.slow
 def test_a_finished_training_is_taken_from_its_checkpoints_when_its_manifest_is_rebuilt(finished, tmp_path):
     """The manifest rebuilt byte-identical makes Snakemake rerun train_draft ("Input files updated by
     another job"): the finished training's result is taken without a step, the draft kept as it is."""
@@ -109,7 +108,6 @@ def test_a_finished_training_is_taken_from_its_checkpoints_when_its_manifest_is_
     assert {k: v for k, v in draft_files(faulted).items() if k != "README.md"} == old_draft
 
 
-@pytest.mark.slow
 def test_a_setting_change_killed_before_its_first_checkpoint_keeps_the_finished_training(finished, tmp_path):
     ws, target, chats = finished
     faulted = clone(ws, tmp_path / "faulted")
@@ -130,7 +128,6 @@ def test_a_setting_change_killed_before_its_first_checkpoint_keeps_the_finished_
     assert draft_files(faulted)["model.safetensors"] == old_draft["model.safetensors"]
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("mount"), reason="mounting a small tmpfs needs root")
 def test_a_full_disk_while_checkpointing_is_one_sentence(finished, tmp_path):
     """torch.save reports a full disk as RuntimeError ("unexpected pos"), not OSError: the job
