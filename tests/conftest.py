@@ -12,6 +12,19 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import tiny  # noqa: E402
 
+# The longest modules first: pytest-xdist's loadscope hands modules to the workers in collection
+# order, and pytest collects a directory's files before its subdirectories, so the embedded default
+# (tests/e2e/, about half of one worker's time) started last and left the other worker idle.
+LONGEST_FIRST = ("e2e/test_embedded_default.py", "e2e/test_faults.py", "e2e/test_slurm.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item):
+        path = item.nodeid.split("::")[0]
+        return next((i for i, name in enumerate(LONGEST_FIRST) if path.endswith(name)), len(LONGEST_FIRST))
+
+    items.sort(key=rank)  # stable: the rest keep their order
+
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
