@@ -116,7 +116,11 @@ def start_snakemake(ws: Path, *args: str) -> subprocess.Popen:
 def descendants(pid: int) -> list[int]:
     """Every process below ``pid`` (Snakemake starts jobs from several threads: all are looked at)."""
     found = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except FileNotFoundError:  # the process ended after its parent listed it
+        return found
+    for task in tasks:
         try:
             children = (task / "children").read_text().split()
         except FileNotFoundError:  # the thread ended meanwhile
