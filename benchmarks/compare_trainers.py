@@ -142,13 +142,13 @@ def speculators_argv(args, manifest: dict, data: Path, conv: dict, epochs: int, 
     """``speculators train`` flags for the draft our trainer builds (draft_model.NORM_FLAGS included).
     ``lr`` None: speculators' own optimizer, learning rate, weight decay and schedule (what a user of
     ``speculators train`` gets without those flags), not ours."""
-    from eaglepipe.config_check import load_schema
+    from eaglepipe.settings import leaf
     from eaglepipe.draft_model import NORM_FLAGS
     from eaglepipe.layers import aux_layer_ids
 
     aux = [str(int(i)) for i in aux_layer_ids(manifest["layer_ids"])]
     # what ours trains here, no --draft-layers being given: the schema's draft.layers
-    layers = load_schema(REPO / "config" / "config.schema.yaml")["properties"]["draft"]["properties"]["layers"]["default"]
+    layers = leaf("draft", "layers")["default"]
     work = Path(args.work) / name
     argv = [
         "--verifier-name-or-path", str(args.model), "--speculator-type", "eagle3",

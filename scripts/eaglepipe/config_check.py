@@ -17,6 +17,7 @@ from .layers import aux_layer_ids, default_layer_ids, validate_layer_ids
 from .serving_limits import (AUX_STATES, aux_count_error, eagle3_target_error, mla_dims_error, mla_layers_error,
                              resolve_architecture, rope_error, servable_rope)
 from .serving_sweep import engine_args_errors
+from .settings import load_schema  # noqa: F401  (the Snakefile and tests read the schema through config_check)
 
 # target.build recipe -> the one directory it builds (rules/data.smk's build_target writes only there).
 BUILT_TARGETS = {"smollm2-gguf": "results/models/SmolLM2-135M-Instruct"}
@@ -60,11 +61,6 @@ def _allowed(err: jsonschema.ValidationError) -> str:
     if v == "required":
         return "present"
     return f"valid under '{v}' = {err.validator_value!r}"
-
-
-def load_schema(schema_path: str) -> dict:
-    with open(schema_path) as f:
-        return yaml.safe_load(f)
 
 
 def coerce_cli_strings(config: dict, schema: dict) -> None:
