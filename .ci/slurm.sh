@@ -113,13 +113,17 @@ wait_for MariaDB mariadb -u root -e "SELECT 1"
 pgrep -x slurmdbd >/dev/null || /usr/sbin/slurmdbd
 wait_for slurmdbd sacctmgr -n list cluster
 sacctmgr -nP list cluster format=cluster | grep -qx "$CLUSTER" || sacctmgr -i add cluster "$CLUSTER"
-if pgrep -x slurmctld >/dev/null; then
-    scontrol reconfigure
-else
-    /usr/sbin/slurmctld
-fi
+# The cluster starts empty. A CI run killed midway on this machine leaves its jobs in slurmctld's
+# saved state and slurmd's spool: recovered as running, they hold the node ("mix") long after their
+# processes are gone. So stop any daemons of an earlier run, and -c drops the saved jobs and node state.
+for daemon in slurmd slurmctld; do
+    pkill -x "$daemon" || true
+    for _ in $(seq 30); do pgrep -x "$daemon" >/dev/null || break; sleep 1; done
+done
+rm -rf /var/spool/slurmd/*
+/usr/sbin/slurmctld -c
 wait_for slurmctld scontrol ping
-pgrep -x slurmd >/dev/null || /usr/sbin/slurmd
+/usr/sbin/slurmd
 node_idle() { sinfo -h -n "$NODE" -o %t | grep -qx idle; }
 wait_for "node $NODE" node_idle
 sinfo
