@@ -172,8 +172,9 @@ def test_h200_preset_dry_run_plans_every_stage_on_one_gpu(tmp_path):
     regenerate, prepare = block("regenerate_responses"), block("prepare_data")
     assert "gpu=1" in regenerate and "--backend vllm" in regenerate and "--max-samples 6000" in regenerate
     assert "--answers-per-conversation 2 " in regenerate  # measured: two sets beat one (benchmarks/README.md)
-    assert "--data package:mtbench" in block("regenerate_eval_prompts") and "--temperature 0 " in block(
-        "regenerate_eval_prompts")
+    # one engine answers the chats and the fixed eval prompts
+    assert "rule regenerate_eval_prompts:" not in out
+    assert "--eval-data package:mtbench" in regenerate and "--eval-temperature 0 " in regenerate
     assert "--pretokenized" in prepare and "--eval-data" in prepare and "--max-length 1024" in prepare
     extract = block("extract_hidden_states")
     assert out.count("rule extract_hidden_states:") == 1 and "gpu=1" in extract
