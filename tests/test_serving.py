@@ -437,3 +437,23 @@ def test_cli_rejects_bad_settings(tmp_path, capsys, args, message):
     with pytest.raises(SystemExit):
         bs.parse_args([x for kv in base.items() for x in kv])
     assert message in capsys.readouterr().err
+
+
+def test_the_recorded_sweeps_derived_acceptance_is_within_five_percent_of_the_measured(tmp_path):
+    """benchmarks/check_derived_acceptance.py on the recorded SmolLM2 sweeps (benchmarks/README.md)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import check_derived_acceptance as check
+
+    out = tmp_path / "check.json"
+    assert check.main(["--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert len(res["points"]) == 11 and res["over_tolerance_k"] == []
+    assert res["max_abs_relative_error"] == 0.032  # the figure in benchmarks/README.md
+    h200_c1_k3 = next(r for r in res["points"] if r["draft"] == "results/smollm2-h200/draft"
+                      and (r["concurrency"], r["k"]) == (1, 3))
+    assert (h200_c1_k3["measured"], h200_c1_k3["derived"]) == (1.9661, 2.0179)
+    # a K beyond the tolerance stays measured: the script says so and fails
+    assert check.main(["--tolerance", "0.01"]) == 1
