@@ -22,9 +22,12 @@ if config["target"]["build"]:
 
 
 # the rules whose answers prepare_data reads
-REGENERATION_RULES = [rules.regenerate_responses] * bool(
-    config["regenerate"]["enabled"]
-) + [rules.regenerate_eval_prompts] * bool(config["evaluate"]["prompts"])
+REGENERATION_RULES = list(
+    dict.fromkeys(
+        [rules.regenerate_responses] * bool(config["regenerate"]["enabled"])
+        + [EVAL_PROMPTS_RULE] * bool(config["evaluate"]["prompts"])
+    )
+)
 
 
 rule prepare_data:

@@ -94,7 +94,9 @@ rule benchmark_serving:
         serve_model=config["target"]["deploy_name"] or config["target"]["model"],
         draft=lambda wc, input: os.path.dirname(input.draft),
         parity_k=lambda wc: get_parity_k(),
-        settings=get_setting_flags("benchmark_serving"),
+        settings=get_setting_flags(
+            "benchmark_serving", overrides={"benchmark_serving.k": get_serving_ks()}
+        ),
         code=code_digest("benchmark_serving"),
     shell:
         # the parity set is all held out: the extraction's train split is this empty file

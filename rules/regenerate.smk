@@ -1,13 +1,15 @@
-# The target answers chats with one engine load per rule, both running eaglepipe.regenerate_responses:
+# The target answers chats, with ONE engine load per job, in eaglepipe.regenerate_responses:
 #   regenerate_responses      the training chats (regenerate.enabled; off in the CPU embedded
 #                             default, which must stay fast; on in GPU presets), by regenerate.*;
-#   regenerate_eval_prompts   the fixed evaluation prompts (evaluate.prompts, e.g. MT-Bench):
-#                             greedy, first turn, benchmark_serving.max_tokens answer tokens, every
-#                             answer kept, so the set is the same whatever the training data and
-#                             its text is what the serving benchmark's target says.
-# Finished parts go to an undeclared directory beside the output, each written atomically and
-# keyed by content hash, so a crash or a rerun after an unrelated change costs only the parts not
-# yet written.
+#                             with evaluate.prompts set, the same engine then also answers the
+#                             fixed evaluation prompts (below): one target load for both sets;
+#   regenerate_eval_prompts   the fixed evaluation prompts alone, when regeneration is off.
+# The fixed evaluation set (evaluate.prompts, e.g. MT-Bench) is answered greedily, first turn only,
+# with benchmark_serving.max_tokens answer tokens, every answer kept, so the set is the same whatever
+# the training data and its text is what the serving benchmark's target says.
+# Finished parts go to an undeclared directory beside each output, each written atomically and
+# keyed by content hash (of its set's own settings), so a crash, a rerun after an unrelated change or
+# a change of only the other set's sampling costs only the parts not yet written.
 
 
 REGENERATED = "results/{run}/regenerated/chats.jsonl"
@@ -24,6 +26,10 @@ EVAL_PROMPTS_SAMPLING = {
     "regenerate.answers_per_conversation": 1,
     "regenerate.loop_retries": 0,
 }
+# one job answers both sets: the regeneration's, when it runs and a fixed evaluation set is named
+EVAL_WITH_CHATS = bool(
+    config["regenerate"]["enabled"] and config["evaluate"]["prompts"]
+)
 EVAL_PROMPTS_SOURCE = (
     config["evaluate"]["prompts"]
     if config["evaluate"]["prompts"]
@@ -61,16 +67,42 @@ REGENERATE_SHELL = (
     f"{VLLM_ENV} {STAGE}.regenerate_responses "
     "--data {params.data} --out {output.chats} --stats {output.stats} --parts-dir {params.parts} "
     "--model {params.model} --max-samples {params.max_samples} --max-prompt-len {params.max_prompt_len} "
-    "{params.settings} {resources.engine} > {log} 2>&1"
+    "{params.settings} {resources.engine}"
+)
+LOG = " > {log} 2>&1"
+
+
+# The eval set's outputs and flags, when regenerate_responses answers it too. Its sampling goes
+# as the stage's --eval-<key> flags (settings.py's "eval" group, rendered from
+# EVAL_PROMPTS_SAMPLING); its paths as --eval-data/--eval-out/--eval-stats/--eval-parts-dir.
+EVAL_OUTPUTS = (
+    dict(
+        eval_chats=REGENERATED_EVAL,
+        eval_stats=report(
+            "results/{run}/regenerated/eval_prompts_stats.json",
+            category="4. Evaluation",
+            caption="../report/regenerate_stats.rst",
+        ),
+    )
+    if EVAL_WITH_CHATS
+    else {}
+)
+EVAL_SHELL = (
+    " --eval-data {params.eval_data:q} --eval-out {output.eval_chats} "
+    "--eval-stats {output.eval_stats} --eval-parts-dir {params.eval_parts} {params.eval_settings}"
+    if EVAL_WITH_CHATS
+    else ""
 )
 
 
 rule regenerate_responses:
     input:
         data=get_data_input(),
+        eval_data=EVAL_PROMPTS_SOURCE if EVAL_WITH_CHATS else [],
         model=get_target_input(),
         chat_template=get_chat_template_input(),
     output:
+        **EVAL_OUTPUTS,
         chats=REGENERATED,
         stats=report(
             "results/{run}/regenerated/stats.json",
@@ -98,42 +130,67 @@ rule regenerate_responses:
             "answers",
             overrides={"regenerate.modes": REGENERATE_MODES},
         ),
-    shell:
-        REGENERATE_SHELL
-
-
-rule regenerate_eval_prompts:
-    input:
-        data=EVAL_PROMPTS_SOURCE,
-        model=get_target_input(),
-        chat_template=get_chat_template_input(),
-    output:
-        chats=REGENERATED_EVAL,
-        stats=report(
-            "results/{run}/regenerated/eval_prompts_stats.json",
-            category="4. Evaluation",
-            caption="../report/regenerate_stats.rst",
+        eval_data=config["evaluate"]["prompts"] if EVAL_WITH_CHATS else "",
+        eval_parts=lambda wc, output: (
+            os.path.splitext(output.eval_chats)[0] + "-parts"
+            if EVAL_WITH_CHATS
+            else ""
         ),
-    log:
-        "results/{run}/logs/regenerate_eval_prompts.log",
-    benchmark:
-        "results/{run}/benchmarks/regenerate_eval_prompts.tsv"
-    conda:
-        "../envs/vllm.yaml"
-        if config["regenerate"]["backend"] == "vllm"
-        else "../envs/eaglepipe.yaml"
-    threads: 4
-    resources:
-        gpu=REGENERATE_GPUS,
-        engine=get_setting_flags("regenerate_responses", "engine"),
-    params:
-        **REGENERATE_PARAMS,
-        data=config["evaluate"]["prompts"],
-        max_samples=0,
-        settings=get_setting_flags(
-            "regenerate_responses",
-            "answers",
-            overrides={"regenerate.modes": REGENERATE_MODES, **EVAL_PROMPTS_SAMPLING},
+        eval_settings=(
+            get_setting_flags(
+                "regenerate_responses", "eval", overrides=EVAL_PROMPTS_SAMPLING
+            )
+            if EVAL_WITH_CHATS
+            else ""
         ),
     shell:
-        REGENERATE_SHELL
+        REGENERATE_SHELL + EVAL_SHELL + LOG
+
+
+# The eval set alone (regeneration off): its sampling given as the stage's own flags.
+if not EVAL_WITH_CHATS:
+
+    rule regenerate_eval_prompts:
+        input:
+            data=EVAL_PROMPTS_SOURCE,
+            model=get_target_input(),
+            chat_template=get_chat_template_input(),
+        output:
+            chats=REGENERATED_EVAL,
+            stats=report(
+                "results/{run}/regenerated/eval_prompts_stats.json",
+                category="4. Evaluation",
+                caption="../report/regenerate_stats.rst",
+            ),
+        log:
+            "results/{run}/logs/regenerate_eval_prompts.log",
+        benchmark:
+            "results/{run}/benchmarks/regenerate_eval_prompts.tsv"
+        conda:
+            "../envs/vllm.yaml"
+            if config["regenerate"]["backend"] == "vllm"
+            else "../envs/eaglepipe.yaml"
+        threads: 4
+        resources:
+            gpu=REGENERATE_GPUS,
+            engine=get_setting_flags("regenerate_responses", "engine"),
+        params:
+            **REGENERATE_PARAMS,
+            data=config["evaluate"]["prompts"],
+            max_samples=0,
+            settings=get_setting_flags(
+                "regenerate_responses",
+                "answers",
+                overrides={
+                    "regenerate.modes": REGENERATE_MODES,
+                    **EVAL_PROMPTS_SAMPLING,
+                },
+            ),
+        shell:
+            REGENERATE_SHELL + LOG
+
+
+# the rule whose job answers the fixed evaluation set
+EVAL_PROMPTS_RULE = (
+    rules.regenerate_responses if EVAL_WITH_CHATS else rules.regenerate_eval_prompts
+)

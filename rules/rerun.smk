@@ -106,6 +106,7 @@ def final_outputs():
     out = [
         "draft/export.json",
         "draft/README.md",
+        "summary.json",
         "eval/offline.json",
         "report/training.svg",
         "report/data_stats.svg",

@@ -137,3 +137,54 @@ def test_a_target_the_pinned_vllm_cannot_serve_gets_no_serve_command(run, archit
     assert ("vllm serve" in card) is served
     assert ("The pinned vLLM (0.26.0) cannot serve this draft: architectures ['MixtralForCausalLM']: "
             "vLLM 0.26.0's class for it does not implement EAGLE-3 aux hidden states (SupportsEagle3)" in card) is not served
+
+
+def test_derived_k_are_marked_and_the_recommendation_is_among_the_timed_k(run):
+    serving = {"recommended": {"by_concurrency": {"1": 3}, "k": 3, "among_timed_k": [3]},
+               "points": [{"k": None, "concurrency": 1, "output_tokens_per_s": 100.0},
+                          {"k": 3, "concurrency": 1, "acceptance_length": 2.3, "speedup": 1.31,
+                           "requests_finished": 80}],
+               "derived_points": [{"k": 1, "concurrency": 1, "derived_from_k": 3, "acceptance_length": 1.6},
+                                  {"k": 2, "concurrency": 1, "derived_from_k": 3, "acceptance_length": 2.0}]}
+    (run / "eval/serving.json").write_text(json.dumps(serving))
+    card = write_card(run, "--serving", str(run / "eval/serving.json"))
+    assert "best K by concurrency (among the timed K 3): 1: 3" in card
+    assert ("vLLM acceptance length by K at concurrency 1: K=1 1.6 (derived from K=3, not timed), "
+            "K=2 2.0 (derived from K=3, not timed), K=3 2.3 (timed, 1.31x)") in card
+    assert "among the K it timed" in card and json.loads(serve_line(card).split("'")[1])["num_speculative_tokens"] == 3
+
+
+def test_every_target_load_is_in_the_card_and_the_runs_summary_once(run):
+    # one regeneration engine answered both sets: both stats record it, it counts once
+    engine = {"backend": "vllm", "load_s": 43.2, "answered": ["r/regenerated/eval_prompts.jsonl",
+                                                             "r/regenerated/chats.jsonl"]}
+    files = {"regenerated/stats.json": {"engine": engine}, "regenerated/eval_prompts_stats.json": {"engine": engine},
+             "hidden_states/manifest.json": {"throughput": {"model_load_s": 122.0, "replicas": [
+                 {"replica": 0, "model_load_s": 122.0}, {"replica": 1, "model_load_s": 0.0}]}},  # 1 reused all
+             "eval/parity/part.json": {"throughput": {"model_load_s": 101.5}},
+             "eval/serving.json": {"recommended": {"by_concurrency": {"1": 3}, "k": 3},
+                                   "engines": [{"k": None, "load_s": 83.0}, {"k": 3, "load_s": 111.0}]}}
+    for name, obj in files.items():
+        (run / name).parent.mkdir(parents=True, exist_ok=True)
+        (run / name).write_text(json.dumps(obj))
+    card = write_card(run, "--serving", str(run / "eval/serving.json"), "--regeneration-stats",
+                      str(run / "regenerated/stats.json"), str(run / "regenerated/eval_prompts_stats.json"),
+                      "--manifest", str(run / "hidden_states/manifest.json"), "--parity-manifest",
+                      str(run / "eval/parity/part.json"), "--run-summary", str(run / "summary.json"))
+    rows = [("regeneration: eval_prompts + chats", 43.2), ("extract_hidden_states (replica 0 of 2)", 122.0),
+            ("benchmark_serving: target alone", 83.0), ("benchmark_serving: K=3", 111.0),
+            ("extract_parity_hidden_states", 101.5)]
+    assert "## Target loads\nThe run started the target 5 time(s) as an engine, 460.7 s in all" in card
+    table = card[card.index("| stage | seconds |"):].splitlines()
+    assert table[2:] == [f"| {stage} | {s:,.1f} |" for stage, s in rows]
+    summary = json.loads((run / "summary.json").read_text())["target_loads"]
+    assert (summary["count"], summary["seconds"]) == (5, 460.7)
+    assert [(r["stage"], r["seconds"]) for r in summary["loads"]] == rows
+
+
+def test_a_run_without_recorded_loads_has_no_loads_table(run):
+    assert "## Target loads" not in write_card(run)
+    # regeneration stats written before loads were recorded: the load is listed, its seconds unknown
+    (run / "stats.json").write_text(json.dumps({"output": "r/regenerated/chats.jsonl"}))
+    card = write_card(run, "--regeneration-stats", str(run / "stats.json"))
+    assert "| regeneration: chats | n/a |" in card and "started the target 1 time(s)" in card

@@ -130,6 +130,23 @@ def test_serving_figure(tmp_path, capsys):
     assert "wrote" in capsys.readouterr().out
 
 
+def test_serving_figure_marks_derived_k_and_gives_them_no_speed(tmp_path):
+    points = [{"k": None, "concurrency": 1, "output_tokens_per_s": 100.0, "mean_tpot_ms": 10.0},
+              {"k": 3, "concurrency": 1, "output_tokens_per_s": 151.0, "mean_tpot_ms": 6.6, "speedup": 1.51,
+               "acceptance_length": 2.25}]
+    derived = [{"k": k, "concurrency": 1, "derived_from_k": 3, "acceptance_length": al}
+               for k, al in ((1, 1.625), (2, 2.0))]
+    serving = tmp_path / "serving.json"
+    serving.write_text(json.dumps({"points": points, "derived_points": derived, "recommended": {"k": 3}}))
+    out = tmp_path / "serving.svg"
+    plots.main([f"--serving={serving}", f"--serving-out={out}"])
+    text = svg_texts(out)
+    assert "1 (derived from 3)" in text and "2 (derived from 3)" in text and "2.00" in text and "1.62" in text
+    assert "derived K: acceptance only, not timed" in text and "among the timed K" in text
+    assert "1.510" in text  # the timed K's speedup; the derived rows have none
+    assert text.count("1.510") == 1
+
+
 def test_cli_needs_a_complete_group(tmp_path, capsys):
     with pytest.raises(SystemExit):
         plots.main([f"--serving={tmp_path / 's.json'}"])

@@ -668,3 +668,56 @@ def test_resume_after_kill_equals_an_uninterrupted_run(tmp_path, tiny_llama):
     run = json.loads((tmp_path / "killed" / "stats.json").read_text())["run"]
     assert run["parts_reused"] == finished_before and run["parts_written"] == 8 - finished_before > 0
     assert not list(parts.glob(".tmp-*"))
+
+
+EVAL_SET = ["--eval-turns", "first", "--eval-temperature", "0", "--eval-max-new-tokens", "6",
+            "--eval-on-loop", "keep"]
+
+
+def with_eval_set(tmp_path, args, prompts, out="run"):
+    d = tmp_path / out
+    return [*args, "--eval-data", str(prompts), "--eval-out", str(d / "eval.jsonl"), "--eval-stats",
+            str(d / "eval_stats.json"), "--eval-parts-dir", str(d / "eval-parts"), *EVAL_SET]
+
+
+def test_one_engine_answers_both_sets_as_two_runs_would_and_each_keeps_its_parts(tmp_path, tiny_llama):
+    data = tiny.make_chats(tmp_path / "chats.jsonl", n=6)
+    prompts = tiny.make_chats(tmp_path / "prompts.jsonl", n=3)
+    sampled = ["--temperature", "1.0", "--top-p", "0.9", "--batch-size", "2"]
+    run_cli(with_eval_set(tmp_path, cli(tmp_path, tiny_llama, data, "both", sampled), prompts, "both"))
+    # the same sets, each by a run of its own (the eval set through the unprefixed flags)
+    run_cli(cli(tmp_path, tiny_llama, data, "chats", sampled))
+    run_cli(cli(tmp_path, tiny_llama, prompts, "evals", ["--batch-size", "2", "--turns", "first", "--temperature",
+                                                         "0", "--max-new-tokens", "6"]))
+    both, chats, evals = tmp_path / "both", tmp_path / "chats", tmp_path / "evals"
+    assert (both / "chats.jsonl").read_bytes() == (chats / "chats.jsonl").read_bytes()
+    assert (both / "eval.jsonl").read_bytes() == (evals / "chats.jsonl").read_bytes()
+    assert sorted(p.name for p in (both / "eval-parts").iterdir()) == sorted(p.name for p in (evals / "parts").iterdir())
+    stats = {n: json.loads((both / n).read_text()) for n in ("stats.json", "eval_stats.json")}
+    assert stats["eval_stats.json"]["settings"]["temperature"] == 0
+    assert stats["eval_stats.json"]["settings"]["max_new_tokens"] == 6
+    assert stats["stats.json"]["settings"]["temperature"] == 1.0
+    # one load, recorded in both sets' stats
+    engine = stats["stats.json"]["engine"]
+    assert engine == stats["eval_stats.json"]["engine"] and engine["load_s"] > 0 and engine["backend"] == "hf"
+    assert engine["answered"] == [str(both / "eval.jsonl"), str(both / "chats.jsonl")]
+
+    # only the eval set's sampling changes: every chat part is reused, nothing of the chats generated
+    changed = with_eval_set(tmp_path, cli(tmp_path, tiny_llama, data, "both", sampled), prompts, "both")
+    run_cli([*changed, "--eval-max-new-tokens", "5"])
+    stats = {n: json.loads((both / n).read_text()) for n in ("stats.json", "eval_stats.json")}
+    assert (stats["stats.json"]["run"]["parts_written"], stats["stats.json"]["run"]["parts_reused"]) == (0, 3)
+    assert stats["stats.json"]["run"]["generated_tokens"] == 0
+    assert stats["eval_stats.json"]["run"]["parts_written"] == 2
+    assert (both / "chats.jsonl").read_bytes() == (chats / "chats.jsonl").read_bytes()
+
+
+def test_a_second_set_needs_all_its_paths_and_sane_sampling(tmp_path, tiny_llama):
+    data = tiny.make_chats(tmp_path / "chats.jsonl", n=2)
+    env = {**os.environ, "PYTHONPATH": str(REPO / "scripts")}
+    p = subprocess.run([*cli(tmp_path, tiny_llama, data), "--eval-data", str(data)], capture_output=True, text=True,
+                       env=env)
+    assert p.returncode == 2 and "a second set needs all of --eval-data, --eval-out" in p.stderr, p.stderr
+    p = subprocess.run([*with_eval_set(tmp_path, cli(tmp_path, tiny_llama, data), data), "--eval-top-p", "0"],
+                       capture_output=True, text=True, env=env)
+    assert p.returncode == 2 and "--eval-temperature must be >= 0 and --eval-top-p in (0, 1]" in p.stderr, p.stderr

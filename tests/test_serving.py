@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import pytest
 
 from eaglepipe import benchmark_serving as bs
-from eaglepipe.serving_sweep import (acceptance, counter_delta, draft_method, engine_args_errors, explain_divergences,
+from eaglepipe.serving_sweep import (acceptance, counter_delta, derived_acceptance_length, derived_points, draft_k,
+                                     draft_method, engine_args_errors, explain_divergences,
                                      first_difference, logit_ulp, near_tie_threshold, recommend, spec_counters,
                                      sweep_rows, window_requests)
 from eaglepipe.tokenized_samples import read_prepared
@@ -293,8 +294,9 @@ def test_main_writes_serving_json_and_parity_samples(tmp_path, monkeypatch):
              "--parity-samples", str(samples), "--engine-args", '{"max_num_seqs": 4}', "--kv-cache-gib", "8"])
     assert calls == [None, 1, 2, 3]  # one engine each, the baseline once
     res = json.loads(out.read_text())
-    assert res["recommended"] == {"by_concurrency": {"1": 2, "4": 1}, "k": 2,
+    assert res["recommended"] == {"by_concurrency": {"1": 2, "4": 1}, "k": 2, "among_timed_k": [1, 2, 3],
                                   "serve_command": res["recommended"]["serve_command"]}
+    assert res["derived_points"] == []  # every K up to the largest was timed
     assert "org/m" in res["recommended"]["serve_command"]
     assert "--max-num-seqs 4" in res["recommended"]["serve_command"]
     assert res["method"] == "dflash" and '"method": "dflash"' in res["recommended"]["serve_command"]
@@ -314,6 +316,97 @@ def test_main_writes_serving_json_and_parity_samples(tmp_path, monkeypatch):
     got = read_prepared(samples)
     assert [(s.id, s.input_ids, s.loss_mask) for s in got] == [
         ("c1-0", [1, 2, 5, 6, 1], [0, 0, 1, 1, 1]), ("c1-1", [4, 4, 4], [0, 1, 1])]
+
+
+def test_a_lower_ks_acceptance_is_the_larger_ks_counts_up_to_k():
+    # K=3 window: 100 drafts; 60 accepted their first token, 30 the first two, 20 all three
+    counts = [60, 30, 20]
+    assert [derived_acceptance_length(counts, 100, k) for k in (1, 2, 3)] == [1.6, 1.9, 2.1]
+    assert derived_acceptance_length(counts, 100, 3) == acceptance(counters(100, counts))["acceptance_length"]
+    with pytest.raises(ValueError, match="K=4: the counts cover positions 1..3"):
+        derived_acceptance_length(counts, 100, 4)
+
+
+def chain(runs: list[int], k: int, anchors=None) -> tuple[int, list[int], list[int]]:
+    """Greedy speculative decoding of one text with a K-token draft: ``runs[p]`` is how many draft
+    tokens the target accepts at anchor p when the draft may propose as many as it likes (greedy:
+    the draft's first tokens do not depend on K). Returns (drafts, accepted per position, the
+    anchors visited); ``anchors`` given: visit those instead of the chain's own."""
+    pos, drafts, per_pos, visited = 0, 0, [0] * k, []
+    for p in anchors if anchors is not None else iter(int, 1):
+        if anchors is None:
+            if pos >= len(runs):
+                break
+            p = pos
+        accepted = min(runs[p], k)
+        drafts += 1
+        for i in range(accepted):
+            per_pos[i] += 1
+        visited.append(p)
+        pos = p + accepted + 1
+    return drafts, per_pos, visited
+
+
+def test_the_derivation_is_exact_at_the_larger_ks_anchors_and_only_estimates_the_lower_ks_own():
+    import random
+
+    rng = random.Random(0)
+    runs = [min(rng.choices(range(8), weights=[40, 25, 15, 8, 5, 3, 2, 2])[0], 7) for _ in range(5000)]
+    drafts5, counts5, anchors5 = chain(runs, 5)
+    for k in (1, 2, 3, 4):
+        derived = derived_acceptance_length(counts5, drafts5, k)
+        # a K-token draft at K=5's anchors accepts exactly what the counts say
+        at_same, per_pos, _ = chain(runs, k, anchors5)
+        assert derived == pytest.approx(1 + sum(per_pos) / at_same, abs=1e-12)
+        # its own chain visits other anchors: close, not equal
+        own, own_counts, own_anchors = chain(runs, k)
+        measured = 1 + sum(own_counts) / own
+        assert own_anchors != anchors5 and abs(derived / measured - 1) < 0.05
+
+
+def test_derived_points_cover_every_untimed_k_below_the_largest_at_each_concurrency():
+    rows = [{"k": None, "concurrency": 1}, {"k": None, "concurrency": 4},
+            {"k": 2, "concurrency": 1, "num_drafts": 50, "accepted_per_position": [25, 10]},
+            {"k": 4, "concurrency": 1, "num_drafts": 100, "accepted_per_position": [60, 30, 20, 10]},
+            {"k": 4, "concurrency": 4, "num_drafts": 200, "accepted_per_position": [100, 50, 20, 10]}]
+    got = derived_points(rows)
+    assert [(p["k"], p["concurrency"]) for p in got] == [(1, 1), (1, 4), (3, 1), (3, 4)]  # K=2 was timed
+    assert all(p["derived_from_k"] == 4 for p in got)
+    assert got[0] == {"concurrency": 1, "k": 1, "derived_from_k": 4, "acceptance_length": 1.6,
+                      "per_position_acceptance": [0.6], "num_drafts": 100}
+    assert got[3]["acceptance_length"] == 1.85 and got[3]["per_position_acceptance"] == [0.5, 0.25, 0.1]
+    assert derived_points([r for r in rows if r["k"] is None]) == []
+    # a window without per-position counts (no drafts) derives nothing
+    assert derived_points([{"k": 3, "concurrency": 1, "num_drafts": 0, "accepted_per_position": []}]) == []
+
+
+def test_by_default_only_the_exports_k_is_timed_and_the_lower_ks_are_derived(tmp_path, monkeypatch):
+    prompts = tmp_path / "eval.jsonl"
+    prompts.write_text("".join(json.dumps({"id": i, "input_ids": [1, 2, 3], "loss_mask": [0, 0, 1]}) + "\n"
+                               for i in "ab"))
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    (draft / "config.json").write_text(json.dumps(
+        {"speculators_model_type": "eagle3", "speculators_config": {"proposal_methods": [{"speculative_tokens": 3}]}}))
+    assert draft_k(draft) == 3
+    base, spec = synthetic_engines()
+    calls = []
+    monkeypatch.setattr(bs, "run_isolated", lambda settings, ps, k: calls.append(k) or (base if k is None else spec[k]))
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.26.0")
+    out = tmp_path / "serving.json"
+    bs.main(["--model", "m", "--draft", str(draft), "--prompts", str(prompts), "--concurrency", "1,4",
+             "--parity-k", "3", "--out", str(out), "--parity-samples", str(tmp_path / "parity.jsonl")])
+    assert calls == [None, 3]  # two target loads: the baseline and the served K
+    res = json.loads(out.read_text())
+    assert res["k"] == [3] and {r["k"] for r in res["points"]} == {None, 3}
+    assert res["recommended"]["k"] == 3 and res["recommended"]["among_timed_k"] == [3]
+    derived = {(p["k"], p["concurrency"]): p for p in res["derived_points"]}
+    assert set(derived) == {(1, 1), (2, 1), (1, 4), (2, 4)}
+    # K=3's windows: c=1 counted [60, 30, 30] of 100 drafts, c=4 [50, 50, 50]
+    assert derived[(1, 1)]["acceptance_length"] == 1.6 and derived[(2, 1)]["acceptance_length"] == 1.9
+    assert derived[(2, 4)]["acceptance_length"] == 2.0 and derived[(2, 4)]["derived_from_k"] == 3
+    assert not any("speedup" in p or "output_tokens_per_s" in p for p in res["derived_points"])
+    assert "the recommended K is chosen among the timed K only" in res["derivation"]
 
 
 def test_load_prompts_reads_prepared_samples_no_further_than_needed(tmp_path):
@@ -344,3 +437,23 @@ def test_cli_rejects_bad_settings(tmp_path, capsys, args, message):
     with pytest.raises(SystemExit):
         bs.parse_args([x for kv in base.items() for x in kv])
     assert message in capsys.readouterr().err
+
+
+def test_the_recorded_sweeps_derived_acceptance_is_within_five_percent_of_the_measured(tmp_path):
+    """benchmarks/check_derived_acceptance.py on the recorded SmolLM2 sweeps (benchmarks/README.md)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import check_derived_acceptance as check
+
+    out = tmp_path / "check.json"
+    assert check.main(["--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert len(res["points"]) == 11 and res["over_tolerance_k"] == []
+    assert res["max_abs_relative_error"] == 0.032  # the figure in benchmarks/README.md
+    h200_c1_k3 = next(r for r in res["points"] if r["draft"] == "results/smollm2-h200/draft"
+                      and (r["concurrency"], r["k"]) == (1, 3))
+    assert (h200_c1_k3["measured"], h200_c1_k3["derived"]) == (1.9661, 2.0179)
+    # a K beyond the tolerance stays measured: the script says so and fails
+    assert check.main(["--tolerance", "0.01"]) == 1

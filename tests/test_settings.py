@@ -60,7 +60,7 @@ def test_the_parsers_defaults_are_the_schemas():
     groups = [group("data", "eval_fraction", "chat_template_kwargs"), group("benchmark_serving", "min_seconds", "k"),
               group("export", "drop_embedding"), group("draft", "mlp_width", prefix="draft-")]
     assert parse(groups, []) == {"eval_fraction": 0.05, "chat_template_kwargs": {}, "min_seconds": 10.0,
-                                 "k": [1, 2, 3, 4, 5], "drop_embedding": True, "draft_mlp_width": None}
+                                 "k": None, "drop_embedding": True, "draft_mlp_width": None}
     assert isinstance(parse(groups, [])["min_seconds"], float)  # a number, though the schema writes 10
 
 
@@ -150,7 +150,8 @@ def test_every_setting_reaches_its_stage_with_the_configs_value(tmp_path, prompt
         assert rules, f"no rule runs {stage}"
         for rule in rules:
             got = parsed(stage, commands[rule][1])
-            for g in (g for gs in groups.values() for g in gs):
+            # the eval set's sampling is the rule's own, never the config's (the test below)
+            for g in (g for name, gs in groups.items() if name != "eval" for g in gs):
                 for key in g.keys:
                     value, found = configured(config, g.section, key), got[(g.prefix + key).replace("-", "_")]
                     if g.section == "regenerate" and key == "modes":  # data.chat_template_kwargs under each
@@ -158,6 +159,9 @@ def test_every_setting_reaches_its_stage_with_the_configs_value(tmp_path, prompt
                         found = [m._asdict() for m in found]
                     if f"{g.section}.{key}" == "data.eval_fraction" and prompts:
                         value = 0
+                    if f"{g.section}.{key}" == "benchmark_serving.k" and value is None:  # the export's K
+                        value = [configured(config, "export", "num_speculative_tokens")
+                                 or configured(config, "train", "ttt_steps")]
                     assert found == value, (rule, f"{g.section}.{key}", found, value)
 
 
@@ -169,15 +173,31 @@ def configured(config: dict, section: str, key: str):
         return leaf(section, key).get("default")
 
 
+EVAL_SAMPLING = ("first", 0, 1, "keep", "keep", 1, 0)  # rules/regenerate.smk's EVAL_PROMPTS_SAMPLING
+
+
+def eval_sampling(args: dict, prefix: str = "") -> tuple:
+    return tuple(args[prefix + k] for k in ("turns", "temperature", "top_p", "on_truncated", "on_loop",
+                                            "answers_per_conversation", "loop_retries"))
+
+
 def test_the_eval_prompts_are_answered_as_served_and_the_kv_cache_and_parity_window_only_when_set(tmp_path):
     commands, config = planned_commands(tmp_path / "set", EVERY_RULE)
-    evals = parsed("regenerate_responses", commands["regenerate_eval_prompts"][1])
-    assert (evals["turns"], evals["temperature"], evals["top_p"], evals["on_loop"], evals["loop_retries"]) == (
-        "first", 0, 1, "keep", 0)
+    # regeneration on: one job, one engine, answers both sets; the eval set by its --eval-* flags
+    assert "regenerate_eval_prompts" not in commands
+    both = parsed("regenerate_responses", commands["regenerate_responses"][1])
+    assert eval_sampling(both, "eval_") == EVAL_SAMPLING and both["eval_data"] == "package:mtbench"
+    assert both["eval_max_new_tokens"] == configured(config, "benchmark_serving", "max_tokens")
+    assert eval_sampling(both) == tuple(configured(config, "regenerate", k) for k in (
+        "turns", "temperature", "top_p", "on_truncated", "on_loop", "answers_per_conversation", "loop_retries"))
+    assert both["max_prompt_len"] == configured(config, "data", "max_length")
+    # regeneration off: the eval set's own job, its sampling as the stage's own flags
+    alone, _ = planned_commands(tmp_path / "alone", merged(EVERY_RULE, {"regenerate": {"enabled": False}}))
+    assert "regenerate_responses" not in alone
+    evals = parsed("regenerate_responses", alone["regenerate_eval_prompts"][1])
+    assert eval_sampling(evals) == EVAL_SAMPLING and evals["eval_data"] is None
     assert evals["max_new_tokens"] == configured(config, "benchmark_serving", "max_tokens")
-    assert evals["max_samples"] == 0
-    train = parsed("regenerate_responses", commands["regenerate_responses"][1])
-    assert evals["max_prompt_len"] == train["max_prompt_len"] == configured(config, "data", "max_length")
+    assert evals["max_samples"] == 0 and evals["max_prompt_len"] == configured(config, "data", "max_length")
     vllm_rules = {"regenerate_responses", "regenerate_eval_prompts", "extract_hidden_states",
                   "extract_parity_hidden_states", "benchmark_serving"}
     for rule, (module, words) in commands.items():

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 import tiny
@@ -172,8 +173,9 @@ def test_h200_preset_dry_run_plans_every_stage_on_one_gpu(tmp_path):
     regenerate, prepare = block("regenerate_responses"), block("prepare_data")
     assert "gpu=1" in regenerate and "--backend vllm" in regenerate and "--max-samples 6000" in regenerate
     assert "--answers-per-conversation 2 " in regenerate  # measured: two sets beat one (benchmarks/README.md)
-    assert "--data package:mtbench" in block("regenerate_eval_prompts") and "--temperature 0 " in block(
-        "regenerate_eval_prompts")
+    # one engine answers the chats and the fixed eval prompts
+    assert "rule regenerate_eval_prompts:" not in out
+    assert "--eval-data package:mtbench" in regenerate and "--eval-temperature 0 " in regenerate
     assert "--pretokenized" in prepare and "--eval-data" in prepare and "--max-length 1024" in prepare
     extract = block("extract_hidden_states")
     assert out.count("rule extract_hidden_states:") == 1 and "gpu=1" in extract
@@ -187,6 +189,49 @@ def test_h200_preset_dry_run_plans_every_stage_on_one_gpu(tmp_path):
         assert flag in train, (flag, train)
     assert "VLLM_CACHE_ROOT=results/smollm2-h200/vllm-cache " in block("benchmark_serving")
     assert "--draft-vocab-size 16384" in block("vocab_mapping")
+
+
+# the stages that start the target as an engine (vLLM, or transformers with the hf backends), by module
+LOADING_STAGES = ("regenerate_responses", "extract_hidden_states", "benchmark_serving")
+
+
+def planned_target_loads(out: str) -> list[tuple[str, str]]:
+    """(rule, what) of every target load the jobs of a `snakemake -n -p` would make: one per job of a
+    loading stage, and benchmark_serving's one per engine (the target alone, then one per timed K)."""
+    loads = []
+    for rule, command in re.findall(r"\nrule (\w+):.*?\nShell command: (.*?)\n", out, re.S):
+        module = re.search(r"eaglepipe\.(\w+) ", command)
+        if not module or module.group(1) not in LOADING_STAGES:
+            continue
+        if module.group(1) != "benchmark_serving":
+            loads.append((rule, "eval prompts + chats" if "--eval-data" in command else ""))
+            continue
+        words = shlex.split(command.split("exec python -m ")[1])
+        loads += [(rule, "target alone")] + [(rule, f"K={k}") for k in words[words.index("--k") + 1].split(",")]
+    return loads
+
+
+@pytest.mark.parametrize("extra", [[], ["benchmarks/kimi_rehearsal.yaml"]], ids=["preset", "rehearsal"])
+def test_a_kimi_run_with_the_serving_benchmark_starts_the_target_five_times(tmp_path, extra):
+    """Regeneration (chats and eval prompts, one engine), extraction, the serving baseline, the served K
+    (the export's; lower K derived), parity extraction: 5 loads (issue 44: 10 before)."""
+    ws = copy_workflow(tmp_path)
+    if extra:  # the rehearsal's stand-in target: its config is what the plan reads
+        sys.path.insert(0, str(REPO / "benchmarks"))
+        from make_kimi_target import kimi_config
+
+        target = ws / "results/models/kimi-k2.5-width"
+        target.mkdir(parents=True)
+        (target / "config.json").write_text(json.dumps(
+            {**kimi_config(layers=4, routed_experts=16), "architectures": ["DeepseekV3ForCausalLM"],
+             "model_type": "deepseek_v3"}))
+    p = snakemake(ws, "-n", "-p", "--configfile", str(REPO / "config/presets/kimi-k2.5.yaml"),
+                  *(str(REPO / e) for e in extra), "--config", 'benchmark_serving={"enabled": true}')
+    loads = planned_target_loads(p.stdout)
+    assert sorted(loads) == sorted([
+        ("regenerate_responses", "eval prompts + chats"), ("extract_hidden_states", ""),
+        ("benchmark_serving", "target alone"), ("benchmark_serving", "K=3"), ("extract_parity_hidden_states", "")]), loads
+    assert "rule regenerate_eval_prompts:" not in p.stdout
 
 
 def test_serving_benchmark_plans_parity_rules(tmp_path):

@@ -4,18 +4,21 @@ speculators format: the method is the one its config names, serving_sweep.draft_
 
     python -m eaglepipe.benchmark_serving --model TARGET --draft results/run/draft \
         --prompts results/run/data/eval.jsonl --num-prompts 64 --max-tokens 256 \
-        --concurrency 1,4,16,64 --k 1,2,3,4,5 --min-seconds 10 --min-output-tokens 2000 \
+        --concurrency 1,4,16,64 --k 3 --min-seconds 10 --min-output-tokens 2000 \
         --parity-k 3 --out results/run/eval/serving.json --parity-samples results/run/eval/parity/samples.jsonl
 
 Prompts are held-out conversations cut before their first assistant token. One engine per
-configuration (the target alone, then the target + draft for each K), each loaded once in its own
+configuration (the target alone, then the target + draft for each K of ``--k``; without it the K the
+draft's export recorded, the one a user serves), each loaded once in its own
 spawned process (GPU memory is released between them) and measured at every concurrency C: C
 requests are kept in flight by streaming them through ``llm_engine.add_request``/``step`` (the
 prompts cycle), greedy. Each engine is warmed up once, each point again until C requests finished;
 a timed window then runs until ``--min-seconds`` and ``--min-output-tokens`` are both reached, and at
 concurrency 1 for the target alone and ``--parity-k`` until every prompt was served once
 (``--parity-min-requests``): the prompts the offline estimate replays when it holds the same file.
-Acceptance comes from vLLM's own spec-decode counters read at the window's ends.
+Acceptance comes from vLLM's own spec-decode counters read at the window's ends. The acceptance
+length of every K below the largest timed one that was not timed is derived from that K's
+per-position counts (``derived_points``, serving_sweep.DERIVED_NOTE): a target load saved per K.
 
 Also written: greedy outputs that differ from the target alone, explained by the target's top-2
 logit margin at the first difference (a reference pass of the target with ``logprobs=2``, raw
@@ -36,9 +39,9 @@ from collections import Counter
 from pathlib import Path
 
 from .atomic import atomic_path, write_json
-from .serving_sweep import (CONVENTION, PARITY_CONCURRENCY, counter_delta, draft_method, engine_args_errors,
-                            explain_divergences, parity_samples, recommend, spec_counters, sweep_rows, window_done,
-                            window_requests)
+from .serving_sweep import (CONVENTION, DERIVED_NOTE, PARITY_CONCURRENCY, counter_delta, derived_points, draft_k,
+                            draft_method, engine_args_errors, explain_divergences, parity_samples, recommend,
+                            spec_counters, sweep_rows, window_done, window_requests)
 from .tokenized_samples import iter_prepared
 from .settings import add_stage_arguments
 from .vllm_env import gib_above_zero, kv_cache_kwargs, set_vllm_env_defaults
@@ -276,6 +279,9 @@ def summarize(settings: dict, prompts: list[list[int]], baseline: dict,
         "gpu_memory_utilization": settings["gpu_memory_utilization"], "kv_cache_gib": settings["kv_cache_gib"],
         "engine_args": settings["engine_args"],
         "points": rows,
+        # the acceptance of the K not timed, from the largest timed K's per-position counts
+        "derived_points": derived_points(rows),
+        "derivation": DERIVED_NOTE,
         "recommended": recommend(rows, settings["serve_model"], settings["draft"], settings["tensor_parallel_size"],
                                  settings["trust_remote_code"], settings["engine_args"], settings["method"]),
         "engines": [{"k": e["k"], **e["time"]} for e in [baseline, *speculative.values()]],
@@ -326,14 +332,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--engine-args: " + "; ".join(errors))
     if a.min_seconds <= 0 or a.near_tie_ulps <= 0:
         p.error("--min-seconds and --near-tie-ulps must be positive")
+    if not (Path(a.draft) / "config.json").is_file():
+        p.error(f"--draft {a.draft}: no config.json (give the directory export_draft wrote)")
+    if a.k is None:  # the K the export recorded: the one a user serves
+        a.k = [draft_k(a.draft)]
     if a.parity_k not in a.k:
         p.error(f"--parity-k {a.parity_k} is not among --k {a.k} (config: benchmark_serving.parity.k must be "
                 f"one of benchmark_serving.k)")
     if PARITY_CONCURRENCY not in a.concurrency:
         p.error(f"--concurrency {a.concurrency} lacks {PARITY_CONCURRENCY}: the parity check replays the "
                 f"concurrency-{PARITY_CONCURRENCY} window (config: benchmark_serving.concurrency)")
-    if not (Path(a.draft) / "config.json").is_file():
-        p.error(f"--draft {a.draft}: no config.json (give the directory export_draft wrote)")
     return a
 
 

@@ -4,13 +4,22 @@ It reads what the run measured (the export's config.json, train/summary.json, da
 eval/offline.json and, when serving was benchmarked, eval/serving.json) and tells the user how to
 serve the draft: the serve command carries the run's tensor parallel size and --trust-remote-code
 when the run used them, the engine arguments the serving benchmark measured with
-(benchmark_serving.engine_args), and the K it recommends for one request at a time (else the
-export's K).
+(benchmark_serving.engine_args), and the K it recommends for one request at a time among the K
+the benchmark timed (else the export's K), beside the acceptance of the lower K derived from it.
+
+It also lists every start of the target as an engine the run made (regeneration, extraction per
+replica, the serving benchmark's engines, parity extraction), with its seconds as each stage
+recorded it: at Kimi-K2.5's size one costs ~20 minutes of 8 GPUs. The same list is the run's
+summary (``--run-summary``, JSON).
 
     python -m eaglepipe.model_card --draft-config results/run/draft/config.json \
         --summary results/run/train/summary.json --which best --data-stats results/run/data/stats.json \
         --offline results/run/eval/offline.json [--serving results/run/eval/serving.json] \
-        --tensor-parallel-size 8 --trust-remote-code --out results/run/draft/README.md
+        [--regeneration-stats results/run/regenerated/stats.json ...] \
+        [--manifest results/run/hidden_states/manifest.json] \
+        [--parity-manifest results/run/eval/parity/parts/replica-0-of-1.json] \
+        --tensor-parallel-size 8 --trust-remote-code --out results/run/draft/README.md \
+        [--run-summary results/run/summary.json]
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ import json
 from pathlib import Path
 
 from . import mla_draft
-from .atomic import atomic_path, read_json_object
+from .atomic import atomic_path, read_json_object, write_json
 from .config_check import target_config_path
 from .layers import CONVENTION
 from .serving_limits import NORM_FLAGS, VLLM_VERSION, eagle3_target_error
@@ -45,7 +54,7 @@ def recommended_k(serving: dict | None, export_k: int, where: str) -> tuple[int,
     k = _field(_field(serving, "recommended", where), "k", f"{where} recommended")
     if not isinstance(k, int) or k < 1:
         raise CardError(f"{where}: recommended.k is {k!r}, expected a positive integer")
-    return k, f"the serving benchmark's best K at concurrency 1 ({where})"
+    return k, f"the serving benchmark's best K at concurrency 1, among the K it timed ({where})"
 
 
 def assistant_tokens_line(assistant: dict | None) -> str:
@@ -65,9 +74,78 @@ def unservable(target_model: str) -> str | None:
     return eagle3_target_error(json.loads(path.read_text()).get("architectures")) if path else None
 
 
+def target_loads(regeneration: list[dict], manifest: dict | None, serving: dict | None,
+                 parity: dict | None) -> list[dict]:
+    """Every engine start of the target in the run, in pipeline order: {"stage", "seconds"}.
+
+    ``regeneration``: the regeneration stats (one load may have answered two sets: its ``engine``
+    record names both outputs, and is counted once); ``manifest``: the gathered extraction manifest
+    (one load per replica); ``serving``: serving.json (its ``engines``: the target alone, then one
+    per timed K); ``parity``: the parity extraction's part manifest. A stage that reused all of its
+    work loaded nothing (an extraction's model_load_s is 0 then) and has no row; regeneration stats
+    written before loads were recorded give seconds None."""
+    loads, seen = [], set()
+    for stats in regeneration:
+        engine = stats.get("engine") or {"answered": [stats.get("output", "?")], "load_s": None}
+        answered = tuple(engine["answered"])
+        if answered not in seen:
+            seen.add(answered)
+            loads.append({"stage": "regeneration: " + " + ".join(Path(a).stem for a in answered),
+                          "seconds": engine["load_s"]})
+    if manifest is not None:
+        tp = manifest.get("throughput") or {}
+        replicas = tp.get("replicas") or [dict(tp, replica=0)]
+        for r in replicas:
+            if r.get("model_load_s"):
+                loads.append({"stage": "extract_hidden_states" + (f" (replica {r['replica']} of {len(replicas)})"
+                                                                  if len(replicas) > 1 else ""),
+                              "seconds": r["model_load_s"]})
+    for e in (serving or {}).get("engines", []):
+        loads.append({"stage": "benchmark_serving: " + ("target alone" if e.get("k") is None else f"K={e['k']}"),
+                      "seconds": e.get("load_s")})
+    if parity is not None and (parity.get("throughput") or {}).get("model_load_s"):
+        loads.append({"stage": "extract_parity_hidden_states", "seconds": parity["throughput"]["model_load_s"]})
+    return loads
+
+
+def loads_summary(loads: list[dict]) -> dict:
+    known = [row["seconds"] for row in loads if row["seconds"] is not None]
+    return {"count": len(loads), "seconds": round(sum(known), 2), "loads": loads}
+
+
+def loads_section(loads: list[dict]) -> list[str]:
+    if not loads:
+        return []
+    total = loads_summary(loads)
+    return ["", "## Target loads",
+            f"The run started the target {total['count']} time(s) as an engine, {total['seconds']:,.1f} s in all "
+            "(from the engine call until it was ready, as each stage recorded it):", "",
+            "| stage | seconds |", "| --- | --- |",
+            *(f"| {row['stage']} | {seconds(row['seconds'])} |" for row in loads)]
+
+
+def seconds(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:,.1f}"
+
+
+def acceptance_by_k_line(serving: dict) -> list[str]:
+    """vLLM's acceptance length at the lowest concurrency for every K, timed or derived (marked)."""
+    points = [p for p in serving.get("points", []) if p.get("k") is not None and p.get("acceptance_length")]
+    derived = [p for p in serving.get("derived_points", []) if p.get("acceptance_length")]
+    if not points:
+        return []
+    c = min(p["concurrency"] for p in points)
+    by_k = {p["k"]: f"{p['acceptance_length']} (timed, {p['speedup']}x)" if p.get("speedup") is not None
+            else f"{p['acceptance_length']} (timed)" for p in points if p["concurrency"] == c}
+    by_k.update({p["k"]: f"{p['acceptance_length']} (derived from K={p['derived_from_k']}, not timed)"
+                 for p in derived if p["concurrency"] == c and p["k"] not in by_k})
+    return [f"- vLLM acceptance length by K at concurrency {c}: "
+            + ", ".join(f"K={k} {v}" for k, v in sorted(by_k.items()))]
+
+
 def card(config: dict, summary: dict, which: str, data_stats: dict, offline: dict, serving: dict | None,
          draft_dir: Path, tensor_parallel_size: int, trust_remote_code: bool, where: dict[str, str],
-         refused: str | None = None) -> str:
+         refused: str | None = None, loads: list[dict] | None = None) -> str:
     """The card's text; ``refused`` (unservable()'s reason) replaces the serve command, which could not work."""
     spec = _field(config, "speculators_config", where["config"])
     verifier = spec["verifier"]["name_or_path"]
@@ -119,10 +197,14 @@ def card(config: dict, summary: dict, which: str, data_stats: dict, offline: dic
                      f"{as_served['acceptance_length']}")
     if serving is not None:
         by_concurrency = serving["recommended"].get("by_concurrency") or {}
-        lines.append("- vLLM serving benchmark, best K by concurrency: "
+        among = serving["recommended"].get("among_timed_k")
+        lines.append("- vLLM serving benchmark, best K by concurrency"
+                     + (f" (among the timed K {', '.join(map(str, among))})" if among else "") + ": "
                      + (", ".join(f"{c}: {'the target alone' if v is None else v}"
                                   for c, v in by_concurrency.items()) or "n/a"))
+        lines += acceptance_by_k_line(serving)
         lines += offline_vs_online(offline, serving)
+    lines += loads_section(loads or [])
     return "\n".join(lines) + "\n"
 
 
@@ -147,8 +229,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-stats", required=True, help="data/stats.json")
     p.add_argument("--offline", required=True, help="eval/offline.json")
     p.add_argument("--serving", help="eval/serving.json, when serving was benchmarked")
+    p.add_argument("--regeneration-stats", nargs="*", default=[],
+                   help="regenerated/stats.json and eval_prompts_stats.json, where the run made them (their loads)")
+    p.add_argument("--manifest", help="hidden_states/manifest.json (the extraction's loads)")
+    p.add_argument("--parity-manifest", help="the parity extraction's part manifest (its load)")
     add_stage_arguments(p, "model_card")
     p.add_argument("--out", required=True)
+    p.add_argument("--run-summary", help="also write the run's summary here (JSON: the target loads)")
     return p
 
 
@@ -163,14 +250,26 @@ def main(argv: list[str] | None = None) -> None:
         if mla_draft.is_served_config(inputs["config"]):  # an MLA draft: vLLM's plain config, not speculators'
             inputs["config"] = mla_draft.card_view(inputs["config"])
         stats = read_json_object(Path(args.data_stats), "data stats", CardError)
+
+        def optional(path, what):
+            return read_json_object(Path(path), what, CardError) if path else None
+
+        loads = target_loads([read_json_object(Path(f), "regeneration stats", CardError)
+                              for f in args.regeneration_stats],
+                             optional(args.manifest, "extraction manifest"), inputs.get("serving"),
+                             optional(args.parity_manifest, "parity extraction manifest"))
         text = card(inputs["config"], inputs["summary"], args.which, stats, inputs["offline"],
                     inputs.get("serving"), Path(args.draft_config).parent, args.tensor_parallel_size,
-                    args.trust_remote_code, where, unservable(_field(inputs["summary"], "target_model", args.summary)))
+                    args.trust_remote_code, where, unservable(_field(inputs["summary"], "target_model", args.summary)),
+                    loads)
     except CardError as e:
         raise SystemExit(f"model_card: {e}") from None
     with atomic_path(args.out) as tmp:
         tmp.write_text(text)
     print(f"wrote {args.out}")
+    if args.run_summary:
+        write_json(args.run_summary, {"target_loads": loads_summary(loads)})
+        print(f"wrote {args.run_summary}: {len(loads)} target load(s)")
 
 
 if __name__ == "__main__":

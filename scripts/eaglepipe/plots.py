@@ -212,7 +212,7 @@ def serving_figure(serving: dict) -> Figure:
         _empty(ax, "speculative point")
     best = serving.get("recommended", {})
     ax.set(title="Speedup of target + draft over the target alone"
-           + (f" (recommended K={best['k']})" if "k" in best else ""),
+           + (f" (recommended K={best['k']}, among the timed K)" if "k" in best else ""),
            xlabel="requests in flight", ylabel="output tokens/s ratio")
 
     ax_table.axis("off")
@@ -223,13 +223,18 @@ def serving_figure(serving: dict) -> Figure:
               f"{p['acceptance_length']:.2f}" if _num(p.get("acceptance_length")) else "-",
               f"{p['identical_outputs_fraction']:.0%}" if _num(p.get("identical_outputs_fraction")) else "-"]
              for p in points]
+    # derived K: acceptance only, from the largest timed K's per-position counts (no engine of their own)
+    derived = [p for p in serving.get("derived_points", []) if _num(p.get("acceptance_length"))]
+    cells += [[f"{p['k']} (derived from {p.get('derived_from_k', '?')})", str(p["concurrency"]), "-", "-", "-",
+               f"{p['acceptance_length']:.2f}", "-"] for p in derived]
     if cells:
         table = ax_table.table(cellText=cells, colLabels=header, loc="center")
         table.auto_set_font_size(False)
         table.set_fontsize(7)
     else:
         _empty(ax_table, "serving point")
-    ax_table.set_title("Every point (K - = the target alone)")
+    ax_table.set_title("Every point (K - = the target alone)"
+                       + ("; derived K: acceptance only, not timed" if derived else ""))
     return fig
 
 

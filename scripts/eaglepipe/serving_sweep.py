@@ -25,6 +25,14 @@ CONVENTION = ("acceptance_length = 1 + accepted / drafts (the bonus token counte
               "tokens/s with the draft / without, at the same concurrency; tpot = time per output token of a "
               "request, (finish - first token) / (tokens - 1), averaged over the requests finished in the window")
 
+DERIVED_NOTE = ("derived_points: the acceptance of a K that was not timed, below the largest timed K_max, from "
+                "K_max's window at the same concurrency: acceptance_length(K) = 1 + sum of "
+                "accepted_per_position[i] for i < K, over drafts. Greedy drafting makes a draft's first K tokens the "
+                "same whatever K, so at one anchor this is exact; the anchors a K engine visits differ from "
+                "K_max's, so it is an estimate, checked against measured sweeps "
+                "(benchmarks/check_derived_acceptance.py). No tokens/s, TPOT or speedup: those need an engine "
+                "of their own, and the recommended K is chosen among the timed K only.")
+
 # Significant bits of the logits' dtype (vLLM's lm_head runs in the model dtype)
 SIGNIFICAND_BITS = {"bfloat16": 8, "float16": 11}
 
@@ -64,6 +72,36 @@ def acceptance(counts: dict) -> dict:
         "num_drafts": drafts,
         "accepted_per_position": counts["accepted_per_pos"],
     }
+
+
+def derived_acceptance_length(accepted_per_position: list[int], drafts: int, k: int) -> float:
+    """The acceptance length (bonus token counted) a K-token draft would have had at the anchors of a
+    larger K's window: 1 + accepted at positions 0..K-1 / drafts (accepted_per_position[i] counts the
+    drafts whose tokens 0..i were all accepted, so a K-token draft accepts min(run, K) at each)."""
+    if not 1 <= k <= len(accepted_per_position):
+        raise ValueError(f"K={k}: the counts cover positions 1..{len(accepted_per_position)}")
+    return 1 + sum(accepted_per_position[:k]) / drafts
+
+
+def derived_points(rows: list[dict]) -> list[dict]:
+    """The acceptance of every K from 1 to the largest timed K_max that was not timed, at each
+    concurrency K_max was timed at, from K_max's per-position counts (DERIVED_NOTE); timed K keep
+    their measured rows only."""
+    timed = {r["k"] for r in rows if r["k"] is not None}
+    if not timed:
+        return []
+    k_max = max(timed)
+    out = []
+    for r in rows:
+        counts, drafts = r.get("accepted_per_position") or [], r.get("num_drafts")
+        if r["k"] != k_max or not drafts or len(counts) < k_max:
+            continue
+        for k in sorted(set(range(1, k_max)) - timed):
+            out.append({"concurrency": r["concurrency"], "k": k, "derived_from_k": k_max,
+                        "acceptance_length": round(derived_acceptance_length(counts, drafts, k), 4),
+                        "per_position_acceptance": [round(a / drafts, 4) for a in counts[:k]],
+                        "num_drafts": drafts})
+    return sorted(out, key=lambda p: (p["k"], p["concurrency"]))
 
 
 def window_done(seconds: float, output_tokens: int, finished: int, finished_this_step: bool, *,
@@ -182,6 +220,17 @@ def draft_method(draft: str | os.PathLike) -> str:
     return json.loads((Path(draft) / "config.json").read_text()).get("speculators_model_type", "eagle3")
 
 
+def draft_k(draft: str | os.PathLike) -> int:
+    """The K the export recorded (export.num_speculative_tokens): speculators' proposal method, or the
+    MLA draft's own record beside vLLM's plain config (mla_draft.served_config)."""
+    from .mla_draft import EXPORT_KEY
+
+    config = json.loads((Path(draft) / "config.json").read_text())
+    if "speculators_config" in config:
+        return int(config["speculators_config"]["proposal_methods"][0]["speculative_tokens"])
+    return int(config[EXPORT_KEY]["num_speculative_tokens"])
+
+
 def serve_command(model: str, draft: str, k: int, tensor_parallel_size: int, trust_remote_code: bool = False,
                   engine_args: dict | None = None, method: str = "eagle3") -> str:
     """The `vllm serve` line for the draft: the run's tensor parallel size, --trust-remote-code when the
@@ -212,6 +261,8 @@ def recommend(rows: list[dict], model: str, draft: str, tensor_parallel_size: in
         raise ValueError("no speculative point was measured")
     k = best[min(best)]["k"]
     return {"by_concurrency": {str(c): best[c]["k"] if best[c]["speedup"] > 1 else None for c in sorted(best)}, "k": k,
+            # a derived K has no speedup: the choice is among the K that had an engine of their own
+            "among_timed_k": sorted({r["k"] for r in rows if r["k"] is not None}),
             "serve_command": serve_command(model, draft, k, tensor_parallel_size, trust_remote_code, engine_args,
                                            method)}
 

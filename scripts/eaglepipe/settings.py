@@ -76,6 +76,11 @@ STAGE_SETTINGS: dict[str, dict[str, tuple[Group, ...]]] = {
                           "max_new_tokens", "on_truncated", "on_loop", "loop_ngram", "loop_min_distinct_share",
                           "answers_per_conversation", "loop_retries", "batch_size")),
         "engine": (_ENGINE, _KV_CACHE, group("regenerate", "hf_batch_size")),
+        # The fixed evaluation set answered by the same engine (rule regenerate_responses when
+        # evaluate.prompts is set): its own values of the sampling keys, as --eval-<key>. The rule gives
+        # them from its EVAL_PROMPTS_SAMPLING (greedy, first turn, ...), never the config's values.
+        "eval": (group("regenerate", "turns", "temperature", "top_p", "max_new_tokens", "on_truncated", "on_loop",
+                       "answers_per_conversation", "loop_retries", prefix="eval-"),),
     },
     "vocab_mapping": {"vocab": (group("draft", "vocab_size", prefix="draft-"),)},
     "extract_hidden_states": {
@@ -124,7 +129,7 @@ WORKFLOW_KEYS = {
     "train.gpus": "the training launcher",
     "export.num_speculative_tokens": "export_draft's --num-speculative-tokens (null: train.ttt_steps)",
     "evaluate.k": "evaluate's --k (null: train.ttt_steps)",
-    "evaluate.prompts": "rule regenerate_eval_prompts and prepare_data's --eval-data",
+    "evaluate.prompts": "regeneration's --eval-data (or rule regenerate_eval_prompts') and prepare_data's --eval-data",
     "vllm.cache_dir": "VLLM_CACHE_ROOT of the vLLM rules",
     "benchmark_serving.enabled": "whether the serving rules run",
     "benchmark_serving.parity.k": "benchmark_serving's and evaluate's --parity-k / --k (null: the export's K)",

@@ -1,5 +1,6 @@
-"""The regeneration rules in a tiny run: the fixed eval prompts and the training data they make, and
-which of them reruns after which change (the stage itself: tests/test_regenerate.py)."""
+"""The regeneration rules in a tiny run: the fixed eval prompts and the training data they make, one
+job (one target load) answering both, and what reruns after which change (the stage itself:
+tests/test_regenerate.py)."""
 
 from __future__ import annotations
 
@@ -30,8 +31,9 @@ def test_rules_rerun_on_their_own_sampling_changes_only(tmp_path, tiny_llama):
     })
     jobs, reasons, _ = dry_run(ws)
     made = reasons["output files have to be generated"]
-    assert jobs["regenerate_responses"] == jobs["regenerate_eval_prompts"] == 1
-    assert "regenerate_responses" in made and "regenerate_eval_prompts" in made
+    # one job, one engine, both answer sets
+    assert jobs["regenerate_responses"] == 1 and "regenerate_eval_prompts" not in jobs
+    assert "regenerate_responses" in made
     snakemake(ws, "results/tiny/data/train.jsonl")
 
     # the fixed prompts are the eval split, token for token; every training conversation trains
@@ -49,16 +51,34 @@ def test_rules_rerun_on_their_own_sampling_changes_only(tmp_path, tiny_llama):
     assert stats["splits"]["eval"]["samples"] == 3 and stats["eval_data"].endswith("eval_prompts.jsonl")
     assert stats["read"] == 15 and stats["skipped_by_reason"] == {"duplicate_id": 3}
 
+    regenerated = ws / "results" / "tiny" / "regenerated"
+    load = json.loads((regenerated / "stats.json").read_text())["engine"]
+    assert load == json.loads((regenerated / "eval_prompts_stats.json").read_text())["engine"]
+    assert load["answered"] == ["results/tiny/regenerated/eval_prompts.jsonl", "results/tiny/regenerated/chats.jsonl"]
+    chats_before = (regenerated / "chats.jsonl").read_bytes()
+
     jobs, _, _ = dry_run(ws)
-    assert not {"regenerate_responses", "regenerate_eval_prompts", "prepare_data"} & set(jobs)
+    assert not {"regenerate_responses", "prepare_data"} & set(jobs)
     jobs, reasons, out = dry_run(ws, "--config", "regenerate=" + json.dumps({**regenerate, "temperature": 0.9}))
-    assert {"regenerate_responses", "prepare_data"} <= set(jobs) and "regenerate_eval_prompts" not in jobs, out
+    assert {"regenerate_responses", "prepare_data"} <= set(jobs), out
     assert any("regenerate_responses" in rules for reason, rules in reasons.items() if "params" in reason.lower()), out
-    jobs, _, out = dry_run(ws, "--config", 'benchmark_serving={"max_tokens": 7}')
-    assert {"regenerate_eval_prompts", "prepare_data"} <= set(jobs) and "regenerate_responses" not in jobs, out
-    jobs, _, out = dry_run(ws, "--config", 'train={"lr": 0.002}')
-    assert not {"regenerate_responses", "regenerate_eval_prompts", "prepare_data"} & set(jobs), out
+    # an eval-only setting reruns the shared job, and the chats' parts are reused: no chat generated
+    eval_only = 'benchmark_serving={"max_tokens": 7}'
+    jobs, reasons, out = dry_run(ws, "--config", eval_only)
+    assert {"regenerate_responses", "prepare_data"} <= set(jobs), out
+    assert any("regenerate_responses" in rules for reason, rules in reasons.items() if "params" in reason.lower()), out
+    snakemake(ws, "--config", eval_only, "--", "results/tiny/data/train.jsonl")
+    chats_run = json.loads((regenerated / "stats.json").read_text())["run"]
+    assert chats_run["parts_written"] == 0 and chats_run["parts_reused"] > 0 and chats_run["generated_tokens"] == 0
+    evals = json.loads((regenerated / "eval_prompts_stats.json").read_text())
+    assert evals["run"]["parts_written"] == 1 and evals["settings"]["max_new_tokens"] == 7
+    assert (regenerated / "chats.jsonl").read_bytes() == chats_before
+    # regeneration off: the eval prompts keep a job (one load) of their own
+    jobs, _, out = dry_run(ws, "--config", eval_only, "regenerate=" + json.dumps({**regenerate, "enabled": False}))
+    assert "regenerate_eval_prompts" in jobs and "regenerate_responses" not in jobs, out
+    jobs, _, out = dry_run(ws, "--config", eval_only, 'train={"lr": 0.002}')
+    assert not {"regenerate_responses", "prepare_data"} & set(jobs), out
     # how the engine uses the machine changes no answer (the parts' keys leave it out): no rerun
     engine = {"regenerate": {**regenerate, "hf_batch_size": 3}, "extract": {"gpu_memory_utilization": 0.5}}
-    jobs, _, out = dry_run(ws, "--config", *(f"{k}={json.dumps(v)}" for k, v in engine.items()))
-    assert not {"regenerate_responses", "regenerate_eval_prompts", "prepare_data"} & set(jobs), out
+    jobs, _, out = dry_run(ws, "--config", eval_only, *(f"{k}={json.dumps(v)}" for k, v in engine.items()))
+    assert not {"regenerate_responses", "prepare_data"} & set(jobs), out

@@ -71,6 +71,11 @@ def test_end_to_end_outputs(done_run):
         assert (run / "report" / svg).read_text().lstrip().startswith(("<?xml", "<svg"))
     stats = json.loads((run / "data" / "stats.json").read_text())
     assert stats["kept"] > 0
+    # the run's one target load (hf extraction), in its summary and the card
+    loads = json.loads((run / "summary.json").read_text())["target_loads"]
+    assert loads["count"] == 1 and loads["loads"][0]["stage"] == "extract_hidden_states"
+    assert loads["loads"][0]["seconds"] == manifest["throughput"]["model_load_s"] > 0
+    assert "started the target 1 time(s)" in (run / "draft" / "README.md").read_text()
 
 
 def test_nothing_to_do_after_a_full_run(done_run):
