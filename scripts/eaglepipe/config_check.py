@@ -149,7 +149,7 @@ def eval_prompt_sets(value) -> list[str]:
 def eval_prompts_errors(value) -> list[str]:
     """Sets whose reported names (``prompt_set_name``) clash: their AL could not be told apart."""
     sets = eval_prompt_sets(value) if isinstance(value, (str, list)) else []
-    names = [prompt_set_name(p) for p in sets if isinstance(p, str)]
+    names = [prompt_set_name(p) for p in dict.fromkeys(p for p in sets if isinstance(p, str))]  # repeats: uniqueItems
     clash = sorted({n for n in names if names.count(n) > 1})
     return [f"config key evaluate.prompts = {value!r} is not allowed: two sets would both be reported as "
             f"{n!r} (a set's name is its package's, or its file's name without suffixes); rename a file"
