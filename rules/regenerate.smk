@@ -184,7 +184,7 @@ if not EVAL_WITH_CHATS:
             ),
         shell:
             # each sample records the set it came from (prompt_set)
-            REGENERATE_SHELL + " --prompt-sets" + LOG
+            f"{REGENERATE_SHELL} --prompt-sets{LOG}"
 
 
 # the rule whose job answers the fixed evaluation set
