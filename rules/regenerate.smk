@@ -4,7 +4,7 @@
 #                             with evaluate.prompts set, the same engine then also answers the
 #                             fixed evaluation prompts (below): one target load for both sets;
 #   regenerate_eval_prompts   the fixed evaluation prompts alone, when regeneration is off.
-# The fixed evaluation set (evaluate.prompts, e.g. MT-Bench) is answered greedily, first turn only,
+# The fixed evaluation set (evaluate.prompts, e.g. MT-Bench and HumanEval) is answered greedily, first turn only,
 # with benchmark_serving.max_tokens answer tokens, every answer kept, so the set is the same whatever
 # the training data and its text is what the serving benchmark's target says.
 # Finished parts go to an undeclared directory beside each output, each written atomically and
@@ -30,12 +30,8 @@ EVAL_PROMPTS_SAMPLING = {
 EVAL_WITH_CHATS = bool(
     config["regenerate"]["enabled"] and config["evaluate"]["prompts"]
 )
-EVAL_PROMPTS_SOURCE = (
-    config["evaluate"]["prompts"]
-    if config["evaluate"]["prompts"]
-    and not config["evaluate"]["prompts"].startswith("package:")
-    else []
-)
+# the chat files among the fixed evaluation sets (the packages' sets are no job input)
+EVAL_PROMPTS_SOURCE = [p for p in EVAL_PROMPT_SETS if not p.startswith("package:")]
 # regenerate.modes as the CLI takes them: data.chat_template_kwargs under each mode's own
 REGENERATE_MODES = [
     {
@@ -130,7 +126,7 @@ rule regenerate_responses:
             "answers",
             overrides={"regenerate.modes": REGENERATE_MODES},
         ),
-        eval_data=config["evaluate"]["prompts"] if EVAL_WITH_CHATS else "",
+        eval_data=EVAL_PROMPT_SETS if EVAL_WITH_CHATS else "",
         eval_parts=lambda wc, output: (
             os.path.splitext(output.eval_chats)[0] + "-parts"
             if EVAL_WITH_CHATS
@@ -176,7 +172,7 @@ if not EVAL_WITH_CHATS:
             engine=get_setting_flags("regenerate_responses", "engine"),
         params:
             **REGENERATE_PARAMS,
-            data=config["evaluate"]["prompts"],
+            data=EVAL_PROMPT_SETS,
             max_samples=0,
             settings=get_setting_flags(
                 "regenerate_responses",
@@ -187,7 +183,8 @@ if not EVAL_WITH_CHATS:
                 },
             ),
         shell:
-            REGENERATE_SHELL + LOG
+            # each sample records the set it came from (prompt_set)
+            f"{REGENERATE_SHELL} --prompt-sets{LOG}"
 
 
 # the rule whose job answers the fixed evaluation set

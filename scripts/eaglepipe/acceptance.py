@@ -11,9 +11,10 @@ The chain logic works on [anchors, K] boolean tensors and returns raw counts, su
 and ranks before any ratio is taken, so the result does not depend on how rows are batched.
 
 The same counts are kept per stratum of the anchor (``Strata``): context length of its prefix,
-assistant turn, inside or outside a thinking block, and its sample's category when the data has
-categories (``split_categories``). Every position has exactly one label per stratum, so each
-stratum's counts add up to the overall ones.
+assistant turn, inside or outside a thinking block, its sample's category when the data has
+categories (``split_categories``), and its sample's fixed evaluation set when the split holds the
+sets of evaluate.prompts (``split_prompt_sets``; this stratum also counts ``as_served`` per set).
+Every position has exactly one label per stratum, so each stratum's counts add up to the overall ones.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .shards import row_categories, shard_paths
+from .shards import row_categories, row_prompt_sets, shard_paths
 
 CONVENTION = ("acceptance_length = 1 + mean number of accepted draft tokens per anchor position "
               "(the target's bonus token counted, as vLLM and SGLang report it); greedy top-1 chain of k draft "
@@ -155,8 +156,10 @@ def greedy_tokens(model, final_states: torch.Tensor, head: torch.Tensor, scored:
 
 
 # the category label of a sample without one where others have one (so the labels add up to the
-# whole); a category named "none" in the data shares it
+# whole); a category named "none" in the data shares it (and likewise for the prompt sets)
 NO_CATEGORY = "none"
+# the stratum of the fixed evaluation sets (evaluate.prompts)
+PROMPT_SET = "prompt_set"
 
 
 @dataclass(frozen=True)
@@ -165,11 +168,12 @@ class Strata:
     length, one more bucket past the last; ``think_ids``: the target's (open, close) thinking-tag
     token ids, None when its tokenizer has none (no thinking stratum then); ``categories``: the
     category labels of the evaluated split (``split_categories``), empty when it has none (no
-    category stratum then)."""
+    category stratum then); ``prompt_sets``: likewise its fixed evaluation sets (``split_prompt_sets``)."""
     context_buckets: tuple[int, ...] = (512, 2048, 8192)
     think_ids: tuple[int, int] | None = None
     max_turn: int = 4  # turns from this one on share a label (fixed sizes so ranks can all-reduce)
     categories: tuple[str, ...] = ()
+    prompt_sets: tuple[str, ...] = ()
 
     def labels(self) -> dict[str, list[str]]:
         b = self.context_buckets
@@ -179,6 +183,8 @@ class Strata:
             out["thinking"] = ["outside", "inside"]
         if self.categories:
             out["category"] = list(self.categories)
+        if self.prompt_sets:
+            out[PROMPT_SET] = list(self.prompt_sets)
         return out
 
 
@@ -189,8 +195,15 @@ def split_categories(manifest: dict, split: str) -> tuple[str, ...]:
     return () if labels == [NO_CATEGORY] else tuple(labels)
 
 
+def split_prompt_sets(manifest: dict, split: str) -> tuple[str, ...]:
+    """The fixed evaluation sets of a split's samples (evaluate.prompts), sorted, from the manifest;
+    a sample without one is NO_CATEGORY's; empty when no sample has one (no prompt_set stratum)."""
+    labels = sorted({p or NO_CATEGORY for _, row in shard_paths(manifest, split) for p in row_prompt_sets(row)})
+    return () if labels == [NO_CATEGORY] else tuple(labels)
+
+
 def load_strata(model_dir: str, context_buckets: list[int], trust_remote_code: bool = False,
-                categories: tuple[str, ...] = ()) -> Strata:
+                categories: tuple[str, ...] = (), prompt_sets: tuple[str, ...] = ()) -> Strata:
     """Strata for a target: the thinking stratum when its tokenizer has THINK_TAGS as tokens; the
     category stratum with ``categories`` (``split_categories``)."""
     from transformers import AutoTokenizer
@@ -199,7 +212,7 @@ def load_strata(model_dir: str, context_buckets: list[int], trust_remote_code: b
     if not context_buckets or not ascending or context_buckets[0] < 1:
         raise SystemExit(f"--context-buckets {context_buckets}: need positive, strictly ascending token counts")
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
-    return Strata(tuple(context_buckets), think_token_ids(tokenizer), categories=categories)
+    return Strata(tuple(context_buckets), think_token_ids(tokenizer), categories=categories, prompt_sets=prompt_sets)
 
 
 THINK_TAGS = ("<think>", "</think>")  # the reasoning delimiters of Qwen3's and DeepSeek-R1's templates
@@ -212,9 +225,11 @@ def think_token_ids(tokenizer) -> tuple[int, int] | None:
 
 
 def stratum_labels(strata: Strata, input_ids: torch.Tensor, loss_mask: torch.Tensor, document_ids: torch.Tensor,
-                   position_ids: torch.Tensor, categories: list[str | None] = ()) -> dict[str, torch.Tensor]:
+                   position_ids: torch.Tensor, categories: list[str | None] = (),
+                   prompt_sets: list[str | None] = ()) -> dict[str, torch.Tensor]:
     """[T] label index per stratum for the anchors of one shifted row; ``categories``: each
-    document's category (packed_data's ``categories``), None for none.
+    document's category (packed_data's ``categories``), None for none; ``prompt_sets`` likewise
+    its fixed evaluation set.
 
     Anchor t drafts x_{t+2} after the prefix x_1..x_{t+1}: its context length is position_ids[t]
     (which counts from 1 in every sample). Its turn is the number of scored runs (assistant turns)
@@ -244,6 +259,9 @@ def stratum_labels(strata: Strata, input_ids: torch.Tensor, loss_mask: torch.Ten
         index = [strata.categories.index(c or NO_CATEGORY) for c in categories]
         per_document = torch.tensor(index, dtype=torch.long, device=input_ids.device)
         out["category"] = per_document[doc.clamp(min=0)]
+    if strata.prompt_sets:
+        index = [strata.prompt_sets.index(p or NO_CATEGORY) for p in prompt_sets]
+        out[PROMPT_SET] = torch.tensor(index, dtype=torch.long, device=input_ids.device)[doc.clamp(min=0)]
     return out
 
 
@@ -262,12 +280,14 @@ def strata_counts(hit: torch.Tensor, evaluable: torch.Tensor, valid: torch.Tenso
 
 
 def summarize_strata(counts: dict, strata: Strata) -> dict:
-    """{stratum: {label: summarize() without the convention texts}} from summed counts."""
+    """{stratum: {label: summarize() without the convention texts}} from summed counts; the
+    prompt_set stratum's labels also hold their ``as_served`` figures (``set_walk_counts``)."""
     out = {}
     for name, names in strata.labels().items():
         out[name] = {}
+        keys = CHAIN_KEYS + WALK_KEYS * (f"{name}/walk_drafts" in counts)
         for i, label in enumerate(names):
-            s = summarize({key: counts[f"{name}/{key}"][i] for key in CHAIN_KEYS})
+            s = summarize({key: counts[f"{name}/{key}"][i] for key in keys})
             out[name][label] = {k: v for k, v in s.items() if k not in EXPLANATIONS}
     return out
 
@@ -362,6 +382,26 @@ def walk_counts(hit: torch.Tensor, evaluable: torch.Tensor, valid: torch.Tensor,
     return counts
 
 
+WALK_KEYS = ("walk_drafts", "walk_cut", "walk_tail", "walk_accepted")
+
+
+def walk_tensors(walk: dict, device) -> dict[str, torch.Tensor]:
+    """``walk_counts`` as the tensors ``evaluate_rows`` sums (WALK_KEYS)."""
+    out = {f"walk_{key}": torch.tensor(walk[key], dtype=torch.long, device=device) for key in ("drafts", "cut", "tail")}
+    out["walk_accepted"] = torch.tensor(walk["accepted_per_pos"], dtype=torch.long, device=device)
+    return out
+
+
+def set_walk_counts(hit: torch.Tensor, evaluable: torch.Tensor, valid: torch.Tensor, loss_mask: torch.Tensor,
+                    document_ids: torch.Tensor, labels: torch.Tensor, n: int) -> dict[str, torch.Tensor]:
+    """``walk_counts`` per label (each of the ``n`` fixed evaluation sets: its documents alone, the
+    others' masked out), as ``"prompt_set/<walk key>"`` of shape [n, ...]: the as-served AL per set.
+    A document is walked within its own set, so the sets' counts add up to the overall walk."""
+    per = [walk_tensors(walk_counts(hit, evaluable, valid, loss_mask.bool() & (labels == i), document_ids),
+                        hit.device) for i in range(n)]
+    return {f"{PROMPT_SET}/{key}": torch.stack([w[key] for w in per]) for key in WALK_KEYS}
+
+
 @torch.no_grad()
 def evaluate_rows(model, rows, head: torch.Tensor, k: int, loss_config, ttt_step_loss_decay: float = 1.0,
                   device: torch.device | str = "cpu", strata: Strata | None = None) -> dict:
@@ -377,13 +417,14 @@ def evaluate_rows(model, rows, head: torch.Tensor, k: int, loss_config, ttt_step
         counts = chain_counts(hit, evaluable, valid)
         counts.update(draft_vocab_counts(model, greedy, valid))
         walk = walk_counts(hit, evaluable, valid, b["loss_mask"][0], b["document_ids"][0])
-        counts.update({f"walk_{key}": torch.tensor(walk[key], dtype=torch.long, device=device)
-                       for key in ("drafts", "cut", "tail")},
-                      walk_accepted=torch.tensor(walk["accepted_per_pos"], dtype=torch.long, device=device))
+        counts.update(walk_tensors(walk, device))
         if strata is not None:
             labels = stratum_labels(strata, b["input_ids"][0], b["loss_mask"][0], b["document_ids"][0],
-                                    b["position_ids"][0], batch["categories"])
+                                    b["position_ids"][0], batch["categories"], batch.get("prompt_sets", ()))
             counts.update(strata_counts(hit, evaluable, valid, labels, strata))
+            if strata.prompt_sets:
+                counts.update(set_walk_counts(hit, evaluable, valid, b["loss_mask"][0], b["document_ids"][0],
+                                              labels[PROMPT_SET], len(strata.prompt_sets)))
         scored = b["loss_mask"].sum().double()
         counts["tokens"] = torch.tensor(b["input_ids"].shape[1], dtype=torch.long, device=device)
         counts["loss_weighted"] = loss.detach().double() * scored

@@ -12,7 +12,9 @@ configuration (the target alone, then the target + draft for each K of ``--k``; 
 draft's export recorded, the one a user serves), each loaded once in its own
 spawned process (GPU memory is released between them) and measured at every concurrency C: C
 requests are kept in flight by streaming them through ``llm_engine.add_request``/``step`` (the
-prompts cycle), greedy. Each engine is warmed up once, each point again until C requests finished;
+prompts cycle), greedy; with several fixed evaluation sets (the prompts' ``prompt_set``) each point
+is one timed window per set in the same engine, each its share of the bounds, so every point
+reports AL per set (``by_prompt_set``) beside the whole. Each engine is warmed up once, each point again until C requests finished;
 a timed window then runs until ``--min-seconds`` and ``--min-output-tokens`` are both reached, and at
 concurrency 1 for the target alone and ``--parity-k`` until every prompt was served once
 (``--parity-min-requests``): the prompts the offline estimate replays when it holds the same file.
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing
 import os
 import sys
@@ -40,8 +43,9 @@ from pathlib import Path
 
 from .atomic import atomic_path, write_json
 from .serving_sweep import (CONVENTION, DERIVED_NOTE, PARITY_CONCURRENCY, counter_delta, derived_points, draft_k,
-                            draft_method, engine_args_errors, explain_divergences, parity_samples, recommend,
-                            spec_counters, sweep_rows, window_done, window_requests)
+                            draft_method, engine_args_errors, explain_divergences, merge_windows, parity_samples,
+                            recommend, set_indices, set_share, spec_counters, sweep_rows, window_done,
+                            window_requests)
 from .tokenized_samples import iter_prepared
 from .settings import add_stage_arguments
 from .vllm_env import gib_above_zero, kv_cache_kwargs, set_vllm_env_defaults
@@ -56,9 +60,11 @@ def log(msg: str) -> None:
     print(f"benchmark_serving: {msg}", file=sys.stderr, flush=True)
 
 
-def load_prompts(path: str | os.PathLike, num_prompts: int) -> tuple[list[list[int]], Counter]:
-    """The first ``num_prompts`` usable prompts: input_ids before the first loss-masked token."""
+def load_prompts(path: str | os.PathLike, num_prompts: int, sets: list | None = None) -> tuple[list[list[int]], Counter]:
+    """The first ``num_prompts`` usable prompts: input_ids before the first loss-masked token;
+    ``sets`` gets each one's fixed evaluation set (its sample's ``prompt_set``, None without)."""
     prompts, skipped = [], Counter()
+    sets = [] if sets is None else sets
     samples = iter_prepared(path)  # read no further than needed
     while len(prompts) < num_prompts and (sample := next(samples, None)) is not None:
         first = next((i for i, m in enumerate(sample.loss_mask) if m), None)
@@ -68,6 +74,7 @@ def load_prompts(path: str | os.PathLike, num_prompts: int) -> tuple[list[list[i
             skipped["empty prompt"] += 1
         else:
             prompts.append(sample.input_ids[:first])
+            sets.append(sample.prompt_set)
     if not prompts:
         raise SystemExit(f"{path}: no usable prompt (skipped: {dict(skipped) or 'file is empty'})")
     return prompts, skipped
@@ -204,12 +211,22 @@ def run_engine(settings: dict, prompts: list[list[int]], k: int | None, result_p
     warmup_s = time.perf_counter() - t0
     snapshot = (lambda: spec_counters(llm.get_metrics())) if k is not None else None
     points, timed_s = {}, 0.0
+    indices = set_indices(settings.get("prompt_sets") or [None] * len(prompts))
     for c in concurrencies:
         t0 = time.perf_counter()
-        w = run_point(RequestStream(engine, prompts, c, params(settings["max_tokens"]), f"c{c}"),
-                      min_seconds=settings["min_seconds"], min_output_tokens=settings["min_output_tokens"],
-                      min_requests=window_requests(k, c, settings["parity_k"], settings["parity_min_requests"]),
-                      snapshot=snapshot)
+        min_requests = window_requests(k, c, settings["parity_k"], settings["parity_min_requests"])
+        if len(indices) == 1:
+            w = run_point(RequestStream(engine, prompts, c, params(settings["max_tokens"]), f"c{c}"),
+                          min_seconds=settings["min_seconds"], min_output_tokens=settings["min_output_tokens"],
+                          min_requests=min_requests, snapshot=snapshot)
+        else:  # one timed window per prompt set, each its share of the bounds: AL per set, same engine
+            share = {name: lambda bound, n=len(idx): set_share(bound, n, len(prompts)) for name, idx in indices.items()}
+            w = merge_windows({name: run_point(
+                RequestStream(engine, [prompts[i] for i in idx], c, params(settings["max_tokens"]), f"c{c}-{name}"),
+                min_seconds=share[name](settings["min_seconds"]),
+                min_output_tokens=math.ceil(share[name](settings["min_output_tokens"])),
+                min_requests=math.ceil(share[name](min_requests)), snapshot=snapshot)
+                for name, idx in indices.items()}, indices)
         timed_s += w["seconds"]
         warmup_s += time.perf_counter() - t0 - w["seconds"]
         points[str(c)] = w
@@ -350,7 +367,8 @@ def main(argv: list[str] | None = None) -> None:
     set_vllm_env_defaults()
     from importlib.metadata import version
 
-    prompts, skipped = load_prompts(a.prompts, a.num_prompts)
+    prompt_sets: list = []
+    prompts, skipped = load_prompts(a.prompts, a.num_prompts, prompt_sets)
     log(f"{len(prompts)} prompts ({sum(map(len, prompts)):,} tokens) from {a.prompts}; "
         f"skipped {dict(skipped) or 'none'}")
     settings = {"model": a.model, "serve_model": a.serve_model or a.model, "draft": a.draft,
@@ -363,11 +381,13 @@ def main(argv: list[str] | None = None) -> None:
                 "parity_min_requests": a.parity_min_requests or len(prompts), "near_tie_ulps": a.near_tie_ulps,
                 "vllm_version": version("vllm")}
     # vLLM resolves a relative draft path against its own working directory: give it the absolute one
-    engine_settings = dict(settings, draft=str(Path(a.draft).resolve()))
+    engine_settings = dict(settings, draft=str(Path(a.draft).resolve()), prompt_sets=prompt_sets)
     baseline = run_isolated(engine_settings, prompts, None)
     speculative = {k: run_isolated(engine_settings, prompts, k) for k in a.k}
     result, samples = summarize(settings, prompts, baseline, speculative)
     result["skipped_prompts"] = dict(skipped)
+    if len(set_indices(prompt_sets)) > 1:  # several fixed sets: each point timed one window per set
+        result["prompt_sets"] = {name: len(idx) for name, idx in set_indices(prompt_sets).items()}
     for key, div in result["divergences"]["points"].items():
         log(f"{key}: {div['differing']} of {div['compared']} outputs differ from the reference, "
             f"{div['near_ties']} near-ties")

@@ -117,6 +117,7 @@ def config_errors(config: dict, schema: dict) -> list[str]:
         out.append(f"config key train.muon_weight_decay = {train['muon_weight_decay']!r} is not allowed with "
                    f"train.optimizer {optimizer!r}: it sets the Muon group (optimizer muon)")
     out += regenerate_errors(config.get("regenerate") or {}, schema["properties"]["regenerate"]["properties"])
+    out += eval_prompts_errors((config.get("evaluate") or {}).get("prompts"))
     engine_args = (config.get("benchmark_serving") or {}).get("engine_args")
     if isinstance(engine_args, dict):
         out += [f"config key {e}" for e in engine_args_errors(engine_args)]
@@ -130,6 +131,29 @@ def config_errors(config: dict, schema: dict) -> list[str]:
         out.append(f"config key extract.layer_ids = {ids} is not allowed: it must be strictly "
                    f"ascending with the final layer (num_hidden_layers) last")
     return out
+
+
+def prompt_set_name(path: str) -> str:
+    """The name a fixed evaluation set is reported by: the package's (``package:mtbench`` ->
+    ``mtbench``), or the chat file's name without its suffixes (``data/code.jsonl`` -> ``code``)."""
+    if path.startswith("package:"):
+        return path.removeprefix("package:")
+    return Path(path).name.split(".")[0] or path
+
+
+def eval_prompt_sets(value) -> list[str]:
+    """evaluate.prompts as a list of sets: [] for null, [value] for one set."""
+    return [] if value is None else [value] if isinstance(value, str) else list(value)
+
+
+def eval_prompts_errors(value) -> list[str]:
+    """Sets whose reported names (``prompt_set_name``) clash: their AL could not be told apart."""
+    sets = eval_prompt_sets(value) if isinstance(value, (str, list)) else []
+    names = [prompt_set_name(p) for p in dict.fromkeys(p for p in sets if isinstance(p, str))]  # repeats: uniqueItems
+    clash = sorted({n for n in names if names.count(n) > 1})
+    return [f"config key evaluate.prompts = {value!r} is not allowed: two sets would both be reported as "
+            f"{n!r} (a set's name is its package's, or its file's name without suffixes); rename a file"
+            for n in clash]
 
 
 def regenerate_contradictions(temperature: float, answers_per_conversation: int, loop_retries: int,

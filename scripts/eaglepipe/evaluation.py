@@ -8,7 +8,7 @@ from functools import cached_property
 
 import torch
 
-from .acceptance import Strata, eval_metrics, evaluate_rows, load_strata, split_categories
+from .acceptance import Strata, eval_metrics, evaluate_rows, load_strata, split_categories, split_prompt_sets
 from .draft_model import load_target_head, row_length
 from .packed_data import PackedRows
 from .runtime import all_reduce
@@ -27,7 +27,7 @@ class Evaluation:
     def strata(self) -> Strata:
         """Loaded at first use: a parity replay counts no strata (and needs no tokenizer)."""
         return load_strata(self.target, self.context_buckets, self.trust_remote_code,
-                           split_categories(self.manifest, self.split))
+                           split_categories(self.manifest, self.split), split_prompt_sets(self.manifest, self.split))
 
     def rows(self, batch_tokens: int, rank: int = 0, world_size: int = 1):
         """The split's rows of this rank, each once, unshuffled, padded as the device pads them."""

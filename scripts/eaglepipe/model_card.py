@@ -195,6 +195,7 @@ def card(config: dict, summary: dict, which: str, data_stats: dict, offline: dic
     if as_served:
         lines.append(f"- as vLLM would count it on the same text (tokens per draft, {as_served['drafts']} drafts): "
                      f"{as_served['acceptance_length']}")
+    lines += prompt_set_table(offline, serving)
     if serving is not None:
         by_concurrency = serving["recommended"].get("by_concurrency") or {}
         among = serving["recommended"].get("among_timed_k")
@@ -206,6 +207,22 @@ def card(config: dict, summary: dict, which: str, data_stats: dict, offline: dic
         lines += offline_vs_online(offline, serving)
     lines += loads_section(loads or [])
     return "\n".join(lines) + "\n"
+
+
+def prompt_set_table(offline: dict, serving: dict | None) -> list[str]:
+    """AL per fixed evaluation set (evaluate.prompts): offline per token and as served, and vLLM's at
+    concurrency 1 and the offline K when the serving benchmark timed one window per set."""
+    per_set = (offline.get("strata") or {}).get("prompt_set")
+    if not per_set:
+        return []
+    online = next((p for p in (serving or {}).get("points", [])
+                   if p.get("concurrency") == 1 and p.get("k") == offline.get("k")), {}).get("by_prompt_set") or {}
+    lines = ["", f"Acceptance length per evaluation set (k={offline.get('k')}):", "",
+             "| set | offline, per token | offline, as served | vLLM, concurrency 1 |", "| --- | --- | --- | --- |"]
+    for name, s in per_set.items():
+        lines.append(f"| {name} | {s.get('acceptance_length')} | {(s.get('as_served') or {}).get('acceptance_length')} "
+                     f"| {(online.get(name) or {}).get('acceptance_length', 'n/a')} |")
+    return lines + [""]
 
 
 def offline_vs_online(offline: dict, serving: dict) -> list[str]:

@@ -4,8 +4,9 @@ A row holds whole samples packed end to end, at most ``batch_tokens`` tokens (a 
 a row of its own, truncated, and is counted). Rows come out as speculators' batch dict after its
 ``shift_batch`` (per sample), so position t holds token x_{t+1}, aux states g_t and the final
 state y_{t+1}; position ids restart at 1 in every sample and ``document_ids`` keep samples from
-attending to each other. ``categories`` lists each document's category (shards.row_categories), for
-the evaluation strata; it is a plain list, not a row tensor.
+attending to each other. ``categories`` lists each document's category (shards.row_categories) and
+``prompt_sets`` its fixed evaluation set (shards.row_prompt_sets), for
+the evaluation strata; they are plain lists, not row tensors.
 
 Shuffling mixes the samples of ``shuffle_window`` consecutive shards of the epoch's shard order
 (1: each shard's own samples, in a shuffled order). A shard holds consecutive records of the data,
@@ -38,7 +39,8 @@ import torch
 from safetensors import safe_open
 
 from .prefetch import prefetch, prefetch_in_process
-from .shards import Shard, open_shard, read_shard, read_tokens, row_categories, shard_paths, stored_layers
+from .shards import (Shard, open_shard, read_shard, read_tokens, row_categories, row_prompt_sets, shard_paths,
+                     stored_layers)
 
 log = logging.getLogger(__name__)
 
@@ -316,6 +318,7 @@ class PackedRows:
         if self.pin_memory:  # page-locked: the copy to the GPU runs at full speed and asynchronously
             batch = {k: v.pin_memory() for k, v in batch.items()}
         batch["categories"] = [row_categories(self.shards[si][1])[b] for si, b, _ in row]
+        batch["prompt_sets"] = [row_prompt_sets(self.shards[si][1])[b] for si, b, _ in row]
         return batch
 
 

@@ -125,10 +125,12 @@ def prepare(args) -> dict:
             examples[reason].append({"source": source, "detail": detail})
             print(f"skip ({reason}): {detail}", file=sys.stderr)
 
-    def write(split, sample_id, ids, mask, category):
+    def write(split, sample_id, ids, mask, category, prompt_set=None):
         category_field = {"category": category} if category else {}  # the data's (chat_data), for the strata
-        files[split].write(json.dumps({"id": sample_id, "input_ids": ids, "loss_mask": mask, **category_field},
-                                      separators=(",", ":")) + "\n")
+        # the fixed evaluation set a sample came from (regenerate_responses' prompt_set), for AL per set
+        set_field = {"prompt_set": prompt_set} if prompt_set else {}
+        files[split].write(json.dumps({"id": sample_id, "input_ids": ids, "loss_mask": mask, **category_field,
+                                       **set_field}, separators=(",", ":")) + "\n")
         splits[split].add(len(ids), sum(mask))
         if split == "train":
             t = torch.tensor(ids)
@@ -202,7 +204,7 @@ def prepare(args) -> dict:
                 assistant.trained_by_kind.update(enc.parts[p].kind for p in kept_parts)
                 # a turn of its own gets its own id; the split stays the conversation's (no shared prefix leaks)
                 write(split, item.id if sample.whole else f"{item.id}#turn{sample.turns[0]}", ids,
-                      sample.loss_mask[:keep], item.category)
+                      sample.loss_mask[:keep], item.category, getattr(item, "prompt_set", None))
             if written:
                 kept += 1
             elif args.too_long == "drop":

