@@ -186,7 +186,7 @@ def test_the_eval_prompts_are_answered_as_served_and_the_kv_cache_and_parity_win
     # regeneration on: one job, one engine, answers both sets; the eval set by its --eval-* flags
     assert "regenerate_eval_prompts" not in commands
     both = parsed("regenerate_responses", commands["regenerate_responses"][1])
-    assert eval_sampling(both, "eval_") == EVAL_SAMPLING and both["eval_data"] == ["package:mtbench"]
+    assert eval_sampling(both, "eval_") == EVAL_SAMPLING and both["eval_data"] == configured(config, "evaluate", "prompts")
     assert both["eval_max_new_tokens"] == configured(config, "benchmark_serving", "max_tokens")
     assert eval_sampling(both) == tuple(configured(config, "regenerate", k) for k in (
         "turns", "temperature", "top_p", "on_truncated", "on_loop", "answers_per_conversation", "loop_retries"))

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .serving_limits import MLA_DRAFT_LAYERS, mla_layers_error
+from .serving_limits import EXPORT_KEY, MLA_DRAFT_LAYERS, mla_layers_error
 
 MODEL_TYPE = "deepseek_v3"
 SERVED_ARCHITECTURE = "Eagle3DeepseekV3ForCausalLM"  # registry alias of Eagle3DeepseekV2ForCausalLM
@@ -36,10 +36,6 @@ SERVED_MODEL_TYPE = "kimi_k2"
 # vLLM's DeepseekV2Eagle3Model has no norm over the concatenated aux states before fc (the Llama
 # draft's norm_before_fc), so the MLA draft trains without it; the other three flags it honours.
 NORM_FLAGS = {"norm_before_residual": True, "norm_before_fc": False, "fc_norm": False, "norm_output": True}
-# Where the served config records what vLLM does not read (the draft architecture, the deploy
-# verifier, K for evaluation); not "speculators_config": vLLM would then parse the file as the
-# speculators format and refuse its deepseek_v3 layer.
-EXPORT_KEY = "eaglepipe"
 # Keys of the exported config that are EAGLE-3 settings, not DeepseekV3 layer fields.
 EAGLE_KEYS = ("draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids",
               "num_aux_hidden_states", *NORM_FLAGS, EXPORT_KEY)

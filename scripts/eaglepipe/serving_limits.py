@@ -10,6 +10,12 @@ import math
 
 VLLM_VERSION = "0.26.0"
 
+# Where the MLA draft's served config (mla_draft.served_config) records what vLLM does not read (the
+# draft architecture, the deploy verifier, K for evaluation and serving); not "speculators_config":
+# vLLM would then parse the file as the speculators format and refuse its deepseek_v3 layer. Here,
+# free of imports, for the stages that only read an export (the serving benchmark).
+EXPORT_KEY = "eaglepipe"
+
 # vllm/transformers_utils/configs/speculators/algos.py (update_eagle3): the draft architectures it maps.
 DRAFT_ARCHS = ("llama", "qwen3")
 # The same function reads these norm flags (with vLLM's own defaults, so an export writes them all).

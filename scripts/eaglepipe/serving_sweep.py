@@ -13,6 +13,8 @@ import os
 import shlex
 from pathlib import Path
 
+from .serving_limits import EXPORT_KEY
+
 # vLLM 0.26.0's spec-decode counters (vllm/v1/spec_decode/metrics.py, SpecDecodingProm) as
 # LLM.get_metrics() names them (vllm/v1/metrics/reader.py strips the "_total" suffix).
 COUNTERS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
@@ -273,8 +275,6 @@ def draft_method(draft: str | os.PathLike) -> str:
 def draft_k(draft: str | os.PathLike) -> int:
     """The K the export recorded (export.num_speculative_tokens): speculators' proposal method, or the
     MLA draft's own record beside vLLM's plain config (mla_draft.served_config)."""
-    from .mla_draft import EXPORT_KEY
-
     config = json.loads((Path(draft) / "config.json").read_text())
     if "speculators_config" in config:
         return int(config["speculators_config"]["proposal_methods"][0]["speculative_tokens"])
