@@ -35,6 +35,15 @@ def random_manifest(tmp: Path, lengths: list[list[int]], layers: int = 3, hidden
     return load_manifest(tmp / "manifest.json")
 
 
+# a row's plain lists, one entry per sample (packed_data's module docstring), beside its tensors
+PER_SAMPLE_LISTS = ("categories", "prompt_sets")
+
+
+def same_row(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(a[k] == b[k] if k in PER_SAMPLE_LISTS else torch.equal(a[k], b[k])
+                                        for k in a)
+
+
 def row_tokens(batch: dict) -> list[int]:
     return batch["input_ids"][0].tolist()
 
@@ -182,7 +191,7 @@ def test_a_global_shuffle_is_the_every_shard_window_read_sample_by_sample(tmp_pa
     a, b = every.stream(), whole.stream()
     for _ in range(per_epoch + 2):  # into the second epoch
         (pos_a, row_a), (pos_b, row_b) = next(a), next(b)
-        assert pos_a == pos_b and all(torch.equal(row_a[k], row_b[k]) for k in row_a if k != "categories")
+        assert pos_a == pos_b and same_row(row_a, row_b)
         assert not whole._cached and 0 < len(whole._open) <= 2
     resumed = PackedRows(m, "train", batch_tokens=9, seed=3, shuffle_window=None).stream(*pos_b)
     assert torch.equal(next(resumed)[1]["hidden_states"], next(b)[1]["hidden_states"])
@@ -246,8 +255,8 @@ def test_gpu_rows_have_one_padded_length(tmp_path, tiny_llama):
     assert {r["input_ids"].shape[1] for r in rows} == {128} and len(rows) == len(plain)
     for r, p in zip(rows, plain):
         T = p["input_ids"].shape[1]
-        assert all(torch.equal(r[k][:, :T], p[k]) for k in p if k not in ("lengths", "categories"))
-        assert r["categories"] == p["categories"] == [None] * len(p["lengths"])
+        assert all(torch.equal(r[k][:, :T], p[k]) for k in p if k not in ("lengths", *PER_SAMPLE_LISTS))
+        assert all(r[k] == p[k] == [None] * len(p["lengths"]) for k in PER_SAMPLE_LISTS)
         assert (r["document_ids"][0, T:] == -1).all() and not r["loss_mask"][0, T:].any()
     with pytest.raises(ValueError, match="pad_to 32"):
         PackedRows(manifest, "train", 64, pad_to=32)
@@ -320,8 +329,7 @@ def test_rows_packed_ahead_are_the_streams_rows_from_any_position(tmp_path, load
     ahead.close()
     assert [pos for _, (pos, _) in expected] == [pos for pos, _ in got]  # crosses an epoch: resume positions travel
     for (_, (_, want)), (_, row) in zip(expected, got):
-        assert want.keys() == row.keys() and want["categories"] == row["categories"]
-        assert all(torch.equal(want[k], row[k]) for k in want if k != "categories")
+        assert same_row(want, row)
 
 
 def test_a_worker_process_is_refused_where_shared_memory_cannot_hold_its_rows(tmp_path, monkeypatch):

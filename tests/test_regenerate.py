@@ -720,7 +720,7 @@ def test_one_engine_answers_both_sets_as_two_runs_would_and_each_keeps_its_parts
     # the same sets, each by a run of its own (the eval set through the unprefixed flags)
     run_cli(cli(tmp_path, tiny_llama, data, "chats", sampled))
     run_cli(cli(tmp_path, tiny_llama, prompts, "evals", ["--batch-size", "2", "--turns", "first", "--temperature",
-                                                         "0", "--max-new-tokens", "6"]))
+                                                         "0", "--max-new-tokens", "6", "--prompt-sets"]))
     both, chats, evals = tmp_path / "both", tmp_path / "chats", tmp_path / "evals"
     assert (both / "chats.jsonl").read_bytes() == (chats / "chats.jsonl").read_bytes()
     assert (both / "eval.jsonl").read_bytes() == (evals / "chats.jsonl").read_bytes()
