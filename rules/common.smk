@@ -204,10 +204,12 @@ def get_budget_inputs(wildcards):
 
 def get_budget_producer(wildcards, input):
     """train_draft's --producer under a disk budget: the extraction stage as rule extract_hidden_states
-    runs it (its settings, one replica for all train shards), started by the training (shard_budget)."""
+    runs it (its settings, one replica for all train shards), started by the training (shard_budget).
+    """
     if config["extract"]["disk_budget_gib"] is None:
         return ""
-    env = STAGE_ENV.replace("{{", "{").replace("}}", "}")  # a resource is not formatted again
+    # a resource is not formatted again: single braces
+    env = STAGE_ENV.replace("{{", "{").replace("}}", "}")
     command = (
         f"{VLLM_ENV} {env} exec python -m eaglepipe.extract_hidden_states --train {input.train} "
         f"--eval {input.eval} --model {get_target_arg(wildcards, input)} "

@@ -31,7 +31,11 @@ rule train_draft:
     threads: 2
     resources:
         gpu=config["train"]["gpus"]
-        + (get_extract_gpus() if config["extract"]["disk_budget_gib"] is not None else 0),
+        + (
+            get_extract_gpus()
+            if config["extract"]["disk_budget_gib"] is not None
+            else 0
+        ),
         # the extractor's command under a disk budget: what it makes is checked against the
         # manifest's settings, so (like where vLLM's files wait) it is a resource, no rerun trigger
         producer=get_budget_producer,
