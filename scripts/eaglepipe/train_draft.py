@@ -323,7 +323,7 @@ def train_steps(args, out, rows, position, step, world, device, main_rank, model
 
     summary = training_summary(args, step, best, evals, train_tokens, layer_ids, aux_ids, draft_vocab,
                                training_resources(optimization, device))
-    if budget:
+    if budget and main_rank:  # rank 0 started the extractor and counted the samples
         budget.stop()
         summary["disk_budget"] = budget_summary(budget, budgeted, world, train_tokens)
         log.info("disk budget: %s", summary["disk_budget"])
