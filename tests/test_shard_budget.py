@@ -56,6 +56,15 @@ def test_extraction_over_the_budget_writes_only_the_eval_shards_and_the_producer
     assert sorted(p.name for p in shard_dir.glob("*.safetensors")) == ["eval-000000.safetensors"]
     merged = gather([part], tmp_path / "hs" / "manifest.json")
     assert merged["disk_budget"] == m["disk_budget"]
+    # the training refuses, before any step, a budget that cannot hold the shards its rows in flight need
+    from argparse import Namespace
+
+    from eaglepipe.shards import load_manifest
+    from eaglepipe.train_draft import budget_plan
+
+    train_args = Namespace(shuffle_buffer_gib="global", batch_tokens=64, seed=0, max_steps=20)
+    with pytest.raises(SystemExit, match="the train share of the budget .* cannot hold .* raise the budget by"):
+        budget_plan(train_args, load_manifest(tmp_path / "hs" / "manifest.json"), 1)
     # the same settings without the budget: the part's settings (and so the shards' digest) are the same
     plain = tmp_path / "plain.json"
     ehs.main([*common, "--out", str(plain), "--shard-dir", str(tmp_path / "plain")])
