@@ -190,3 +190,30 @@ def get_replica_part_files(run):
     r = config["extract"]["replicas"]
     # called once the rules are defined (rule all, job inputs)
     return expand(rules.extract_hidden_states.output.part, run=run, i=range(r), r=r)
+
+
+def get_budget_inputs(wildcards):
+    """What train_draft's extractor reads under a disk budget (extract.disk_budget_gib); nothing without one."""
+    if config["extract"]["disk_budget_gib"] is None:
+        return {}
+    return {
+        "train": expand(rules.prepare_data.output.train, **dict(wildcards.items())),
+        "eval": expand(rules.prepare_data.output.eval, **dict(wildcards.items())),
+    }
+
+
+def get_budget_producer(wildcards, input):
+    """train_draft's --producer under a disk budget: the extraction stage as rule extract_hidden_states
+    runs it (its settings, one replica for all train shards), started by the training (shard_budget).
+    """
+    if config["extract"]["disk_budget_gib"] is None:
+        return ""
+    # a resource is not formatted again: single braces
+    env = STAGE_ENV.replace("{{", "{").replace("}}", "}")
+    command = (
+        f"{VLLM_ENV} {env} exec python -m eaglepipe.extract_hidden_states --train {input.train} "
+        f"--eval {input.eval} --model {get_target_arg(wildcards, input)} "
+        f"{get_setting_flags('extract_hidden_states')} "
+        f"--shard-dir results/{wildcards.run}/hidden_states/shards --replica 0 --replicas 1"
+    )
+    return f"--producer {shlex.quote(command)}"

@@ -30,6 +30,12 @@ def inputs_before(*producers):
                         expand(item, **dict(wildcards.items())) if "{" in item else item
                     )
                 )
+                if isinstance(files, dict):  # unpack(): named inputs
+                    files = [
+                        f
+                        for v in files.values()
+                        for f in ([v] if isinstance(v, str) else v)
+                    ]
                 for f in [files] if isinstance(files, str) else files:
                     found.setdefault(str(f), f)
         return list(found.values())

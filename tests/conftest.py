@@ -15,7 +15,8 @@ import tiny  # noqa: E402
 # The longest modules first: pytest-xdist's loadscope hands modules to the workers in collection
 # order, and pytest collects a directory's files before its subdirectories, so the embedded default
 # (tests/e2e/, about half of one worker's time) started last and left the other worker idle.
-LONGEST_FIRST = ("e2e/test_embedded_default.py", "e2e/test_faults.py", "e2e/test_slurm.py")
+LONGEST_FIRST = ("e2e/test_embedded_default.py", "e2e/test_faults.py", "e2e/test_slurm.py",
+                 "e2e/test_disk_budget.py")
 
 
 def pytest_collection_modifyitems(config, items):

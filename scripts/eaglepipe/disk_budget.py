@@ -65,4 +65,6 @@ def check_room(shard_dir: Path, shard_bytes: int, staging: Path | None, staged: 
         if not has_room(where, need):
             raise SystemExit(f"not enough disk space in {where}: {what} need {human_bytes(need)} (plus 5% and "
                              f"1 GiB margin), {human_bytes(shutil.disk_usage(where).free)} is free; free space, move "
-                             f"the shard or staging directory or use extract.storage_dtype fp8")
+                             f"the shard or staging directory, use extract.storage_dtype fp8, or set "
+                             f"extract.disk_budget_gib to train through a bounded set of shards "
+                             f"(docs/disk-budget.md)")

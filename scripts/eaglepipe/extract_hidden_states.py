@@ -14,6 +14,10 @@ a part manifest that ``eaglepipe.gather_manifest`` merges.
 This module holds the flags, the plan and the order of work; the samples are read by
 ``tokenized_samples``, batches become shards in ``shard_pipeline``, the disk room is checked in
 ``disk_budget``, and ``shards`` owns the shard format.
+
+With ``--disk-budget-gib`` and shards that would not fit it, only the eval shards are written and
+the train batches are listed as deferred: training starts this module again with ``--schedule``
+as its producer, which makes the train shards while training runs (``shard_budget``).
 """
 
 from __future__ import annotations
@@ -28,8 +32,8 @@ from pathlib import Path
 
 import torch
 
-from . import disk_budget, shards
-from .atomic import remove_stale_temporaries
+from . import disk_budget, shard_budget, shards
+from .atomic import read_json_object, remove_stale_temporaries
 from .dir_lock import dir_lock
 from .model_dir import check_model_dir
 from .layers import CONVENTION, resolve_layer_ids
@@ -93,6 +97,8 @@ RESULT_NEUTRAL = {
     "replica": "which shards this job makes",
     "replicas": "which shards this job makes",
     "out": "where the part manifest goes",
+    "disk_budget_gib": "which shards stay on disk, not what a shard holds",
+    "schedule": "which shards this job makes",
 }
 
 
@@ -120,7 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--shard-dir", required=True)
     ap.add_argument("--replica", type=int, default=0)
     ap.add_argument("--replicas", type=int, default=1)
-    ap.add_argument("--out", required=True, help="part manifest JSON")
+    ap.add_argument("--out", help="part manifest JSON (required but with --schedule)")
+    ap.add_argument("--schedule", default=None,
+                    help="run as the producer of a training under a disk budget: make the train shards this "
+                         "schedule (written by train_draft) lists, each when the budget has room (shard_budget)")
     return ap
 
 
@@ -133,6 +142,8 @@ def parse_args(argv=None):
         ap.error(f"--staging-dir {args.staging_dir}: no such directory")
     if args.batch_size < 1:
         ap.error(f"--batch-size {args.batch_size}: must be >= 1")
+    if args.out is None and args.schedule is None:
+        ap.error("--out is required (the part manifest)")
     if args.connector_threads is not None and args.connector_threads < 1:
         ap.error(f"--connector-threads {args.connector_threads}: must be >= 1")
     return args
@@ -157,8 +168,9 @@ def load_backend(args, layer_ids, num_hidden_layers, staging: Path | None):
 def main(argv=None) -> None:
     args = parse_args(argv)
     check_model_dir(args.model)
-    # replicas share the shard directory (disjoint batches): one lock per replica
-    with dir_lock(args.shard_dir, f".lock-replica{args.replica}"):
+    # replicas share the shard directory (disjoint batches): one lock per replica; a disk budget's
+    # producer (started by the training) has its own
+    with dir_lock(args.shard_dir, ".lock-producer" if args.schedule else f".lock-replica{args.replica}"):
         run(args)
 
 
@@ -191,11 +203,41 @@ def run(args) -> None:
     batches = {split: [data[split][i:i + args.batch_size] for i in range(0, len(data[split]), args.batch_size)]
                for split in SPLITS}
     mine = [(split, b) for split in SPLITS for b in range(len(batches[split])) if b % args.replicas == args.replica]
+    dtype_bytes = DTYPES[args.dtype].itemsize
+    bpt = shards.bytes_per_token(L, H, dtype_bytes, args.storage_dtype)
+    meta = {"layer_ids": layer_ids, "layer_convention": CONVENTION,
+            "target": {"model": args.model, "revision": args.revision}, "dtype": args.dtype,
+            "tokenizer_digest": tokenizer,
+            "settings_digest": settings["digest"], "backend": args.backend}
+    if args.schedule:
+        return produce(args, batches["train"], meta, N, L, H, shard_dir)
+    # the whole run's shards (every replica's), against the disk budget
+    budget = shard_budget.plan(args.disk_budget_gib, {
+        split: [shard_budget.shard_bytes(sum(len(s.input_ids) for s in batch), len(batch), bpt)
+                for batch in batches[split]] for split in SPLITS}, bpt)
+    deferred = []
+    if budget:
+        deferred = [(split, b) for split, b in mine if split == "train"]
+        mine = [(split, b) for split, b in mine if split != "train"]
+        whole = [shard_dir / shards.shard_name(split, b) for split, b in deferred]
+        whole = [p for p in whole if p.is_file()]
+        for p in whole:  # shards of an extraction without the budget: the budget bounds them too
+            p.unlink()
+            shards.checksum_path(p).unlink(missing_ok=True)
+        log(f"disk budget {human_bytes(budget['bytes'])} (extract.disk_budget_gib {args.disk_budget_gib}): the run's "
+            f"shards would take {human_bytes(budget['projected_bytes'])}; writing the eval shards now "
+            f"({human_bytes(budget['eval_bytes'])}), the {len(deferred)} train shard(s) of this replica while "
+            f"training runs, within {human_bytes(budget['train_bytes'])}"
+            + (f"; removed {len(whole)} train shard(s) written without the budget" if whole else ""))
+    elif args.disk_budget_gib is not None:
+        log(f"disk budget {args.disk_budget_gib} GiB: the run's shards fit it, every shard is written now")
     # only this replica's leftovers: the other replicas write into the same directory at the same time
     stale = remove_stale_temporaries(shard_dir, [shards.shard_name(split, b) for split, b in mine])
     if stale:
         log(f"removed {stale} stale temporary files from {shard_dir}")
     rows: dict[str, list[dict]] = {split: [] for split in SPLITS}
+    for split, b in deferred:
+        rows[split].append(shard_budget.deferred_row(shards.shard_name(split, b), b, batches[split][b], bpt))
     empty: dict[str, list[int]] = {split: [] for split in SPLITS}
     skipped: list[dict] = []
     todo = []
@@ -208,8 +250,6 @@ def run(args) -> None:
             todo.append((split, b))
     n_reused = len(mine) - len(todo)
 
-    dtype_bytes = DTYPES[args.dtype].itemsize
-    bpt = shards.bytes_per_token(L, H, dtype_bytes, args.storage_dtype)
     tokens_mine = sum(len(s.input_ids) for split, b in mine for s in batches[split][b])
     tokens_todo = sum(len(s.input_ids) for split, b in todo for s in batches[split][b])
     n_all = {split: len(data[split]) for split in SPLITS}
@@ -233,13 +273,10 @@ def run(args) -> None:
         staging = disk_budget.staging_dir(args.staging_dir, args.replica, shard_dir, staged)
         log(f"vLLM staging: {staging} (up to {human_bytes(staged)})")
     if todo:
-        disk_budget.check_room(shard_dir, tokens_todo * bpt, staging, staged)
+        disk_budget.check_room(shard_dir, tokens_todo * bpt + (budget["train_bytes"] if budget else 0), staging,
+                               staged)
 
     # ---- extract what is missing
-    meta = {"layer_ids": layer_ids, "layer_convention": CONVENTION,
-            "target": {"model": args.model, "revision": args.revision}, "dtype": args.dtype,
-            "tokenizer_digest": tokenizer,
-            "settings_digest": settings["digest"], "backend": args.backend}
     load_s = 0.0
     progress = {"tokens": 0, "seconds": 0.0, "tokens_per_s": 0.0}
     if todo:
@@ -293,10 +330,83 @@ def run(args) -> None:
         "tokenizer_digest": meta["tokenizer_digest"],
         "bytes_per_token": bpt,
     }
+    if budget:
+        manifest[shard_budget.BUDGET_KEY] = budget
     shards.write_manifest(out, manifest)
     log(f"wrote {out}: {sum(s['tokens'] for s in splits.values())} tokens in "
         f"{sum(len(s['shards']) for s in splits.values())} shards, "
         f"{human_bytes(sum(s['bytes'] for s in splits.values()))}")
+
+
+def produce(args, batches, meta: dict, N: int, L: int, H: int, shard_dir: Path) -> None:
+    """The producer of a training under a disk budget: the occurrences its schedule lists (train
+    batches of a pass), in order, each when the occurrences on disk leave room for it within the
+    budget's train share; intact ones (a rerun after a kill) are reused, damaged ones rebuilt. Each
+    one made is recorded (seconds, shard bytes on disk after it) in the schedule's stats file."""
+    schedule = read_json_object(Path(args.schedule), "schedule", SystemExit)
+    ppid = os.getppid()
+    budget = int(schedule["budget_bytes"])
+    occurrences = [tuple(o) for o in schedule["occurrences"]]  # (pass, batch, the schedule row using it last)
+    progress = Path(schedule["progress"])
+    for _, b, _ in occurrences:
+        if b >= len(batches):
+            raise SystemExit(f"{args.schedule}: train batch {b} is outside the {len(batches)} batches of {args.train}")
+    names = {shard_budget.occurrence_name(e, b) for e, b, _ in occurrences}
+    stale = remove_stale_temporaries(shard_dir, sorted(names))
+    if stale:
+        log(f"removed {stale} stale temporary files from {shard_dir}")
+    dtype_bytes = DTYPES[args.dtype].itemsize
+    bpt = shards.bytes_per_token(L, H, dtype_bytes, args.storage_dtype)
+    backend = pool = None
+    made = reused = 0
+    stats = open(schedule["stats"], "a")
+    log(f"producer: {len(occurrences)} train shard(s) to provide within {human_bytes(budget)}")
+    try:
+        for e, b, last in occurrences:
+            batch = batches[b]
+            path = shard_dir / shard_budget.occurrence_name(e, b)
+            def needed(last=last):
+                return shard_budget.trained_rows(progress) <= last
+
+            if not needed():  # trained from a copy a killed run left
+                continue
+            if reusable_row(path, batch, meta["settings_digest"], L, H):
+                reused += 1
+                continue
+            need = shard_budget.shard_bytes(sum(len(s.input_ids) for s in batch), len(batch), bpt)
+            waited = shard_budget.wait_for_room(shard_dir, need, budget, ppid, f"producer of {path}", needed)
+            if waited is None or not needed():
+                continue
+            t0 = time.perf_counter()
+            if backend is None:
+                batch_tokens = max(sum(len(s.input_ids) for s in bt) for bt in batches)
+                writers = writer_count(args.backend == "hf" and args.device == "cpu", batch_tokens, L * H * dtype_bytes)
+                pool = make_pool("threads", writers, ()).__enter__()
+                staging = None
+                if args.backend == "vllm":
+                    from .extract_vllm import LOOKAHEAD_TOKENS
+
+                    staged = disk_budget.staged_bytes(batch_tokens, batch_tokens, writers, LOOKAHEAD_TOKENS,
+                                                      L * H * dtype_bytes)
+                    staging = disk_budget.staging_dir(args.staging_dir, args.replica, shard_dir, staged)
+                backend = load_backend(args, meta["layer_ids"], N, staging)
+                log(f"producer: {args.backend} backend loaded in {time.perf_counter() - t0:.1f}s")
+                t0 = time.perf_counter()
+            extract(backend, pool, writers, [("train", b, batch)], shard_dir, meta, args.storage_dtype, L, H,
+                    name=lambda split, batch, e=e: shard_budget.occurrence_name(e, batch))
+            seconds = time.perf_counter() - t0
+            eval_bytes = sum(p.stat().st_size for p in shard_dir.glob("eval-*.safetensors"))
+            peak = eval_bytes + shard_budget.occurrence_bytes(shard_dir)
+            stats.write(json.dumps({"epoch": e, "batch": b, "seconds": round(seconds, 3), "waited_s": round(waited, 3),
+                                    "peak_bytes": peak}) + "\n")
+            stats.flush()
+            made += 1
+    finally:
+        stats.close()
+        if backend is not None:
+            backend.close()
+            pool.__exit__(None, None, None)
+    log(f"producer: made {made} train shard(s), reused {reused}")
 
 
 if __name__ == "__main__":

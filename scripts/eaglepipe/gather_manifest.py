@@ -18,6 +18,7 @@ from pathlib import Path
 from .shards import load_manifest, shard_paths, split_summary, write_manifest
 
 SAME = ("target", "layer_ids", "layer_convention", "storage_dtype", "settings")
+BUDGET = "disk_budget"  # shard_budget.BUDGET_KEY: present only in a budgeted extraction
 
 
 def gather(parts: list[str | os.PathLike], out: str | os.PathLike) -> dict:
@@ -27,7 +28,7 @@ def gather(parts: list[str | os.PathLike], out: str | os.PathLike) -> dict:
     ms = [load_manifest(p) for p in parts]
     first = ms[0]
     for m in ms[1:]:
-        for key in SAME:
+        for key in (*SAME, BUDGET):
             if m.get(key) != first.get(key):
                 raise ValueError(f"{m['_path']}: {key} {m.get(key)!r} differs from {first['_path']}: "
                                  f"{first.get(key)!r}; all replicas must run with the same settings")
@@ -54,6 +55,8 @@ def gather(parts: list[str | os.PathLike], out: str | os.PathLike) -> dict:
         rows, empty = [], []
         for m in ms:
             for path, row in shard_paths(m, split):
+                if row.get("deferred"):  # extracted while training runs, under a disk budget
+                    continue
                 if not path.is_file():
                     raise ValueError(f"{m['_path']}: shard {path} of {split} batch {row['batch']} does not exist")
                 if path.stat().st_size != row["bytes"]:
@@ -94,6 +97,8 @@ def gather(parts: list[str | os.PathLike], out: str | os.PathLike) -> dict:
         tokenizer_digest=first.get("tokenizer_digest"),
         bytes_per_token=first.get("bytes_per_token"),
     )
+    if first.get(BUDGET) is not None:
+        merged[BUDGET] = first[BUDGET]
     write_manifest(out, merged)
     return merged
 

@@ -35,6 +35,7 @@ from .layers import CONVENTION
 from .serving_limits import NORM_FLAGS, VLLM_VERSION, eagle3_target_error
 from .serving_sweep import serve_command
 from .settings import add_stage_arguments
+from .units import human_bytes
 
 
 class CardError(ValueError):
@@ -143,6 +144,17 @@ def acceptance_by_k_line(serving: dict) -> list[str]:
             + ", ".join(f"K={k} {v}" for k, v in sorted(by_k.items()))]
 
 
+def disk_budget_lines(budget: dict | None) -> list[str]:
+    """What training through a disk budget cost (train_draft's summary), none without one."""
+    if not budget:
+        return []
+    return [f"- disk budget: {human_bytes(budget['budget_bytes'])} of hidden-state shards (peak on disk "
+            f"{human_bytes(budget['peak_shard_bytes'])}, all shards {human_bytes(budget['projected_bytes'])}); "
+            f"{budget['passes']} passes, {budget['samples_trained']} samples and {budget['tokens_trained']} tokens "
+            f"trained; {budget['shards_extracted']} train shards extracted during training in "
+            f"{budget['reextraction_s']} s; order {budget['order']}"]
+
+
 def card(config: dict, summary: dict, which: str, data_stats: dict, offline: dict, serving: dict | None,
          draft_dir: Path, tensor_parallel_size: int, trust_remote_code: bool, where: dict[str, str],
          refused: str | None = None, loads: list[dict] | None = None) -> str:
@@ -183,6 +195,7 @@ def card(config: dict, summary: dict, which: str, data_stats: dict, offline: dic
         f"- data: {data_stats.get('read', 'n/a')} conversations read, {data_stats.get('kept', 'n/a')} kept, "
         f"skipped {data_stats.get('skipped', {})}",
         assistant_tokens_line(data_stats.get("assistant")),
+        *disk_budget_lines(summary.get("disk_budget")),
         f"- acceptance length at that checkpoint's eval (bonus token counted): {ev.get('acceptance_length', 'n/a')}",
         "",
         "## Evaluation",

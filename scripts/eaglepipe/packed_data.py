@@ -23,6 +23,12 @@ it, and its hidden states only when one of this rank's rows needs them. The plan
 (seed, epoch) only, never on the world size: the position is the global row index, and each step
 consumes ``world_size`` consecutive rows (rank r takes the r-th), so a resumed run may use a
 different world size.
+
+Under a disk budget (shard_budget) the train rows of the manifest are *deferred*: their shards do
+not exist yet. The plan takes the sample lengths from the manifest rows instead of the shards
+(the same plan), and a shard is read when a row needs it, as the file of its pass
+(``wait_shard(epoch, batch)`` waits for the producer), into memory: the trainer deletes it after
+its last use.
 """
 
 from __future__ import annotations
@@ -107,7 +113,7 @@ def check_row_loader(loader: str, row_bytes: int, depth: int = 2) -> None:
 class PackedRows:
     def __init__(self, manifest: dict, split: str, batch_tokens: int, seed: int = 0, shuffle: bool = True,
                  rank: int = 0, world_size: int = 1, dtype: torch.dtype = torch.float32, pad_to: int | None = None,
-                 pin_memory: bool = False, shuffle_window: int | None = 1):
+                 pin_memory: bool = False, shuffle_window: int | None = 1, wait_shard=None):
         if batch_tokens < 2:
             raise ValueError(f"batch_tokens {batch_tokens}: need at least 2 (one shifted token)")
         if shuffle_window is not None and shuffle_window < 1:
@@ -116,7 +122,15 @@ class PackedRows:
         if not self.shards:
             raise SystemExit(f"manifest {manifest.get('_path')}: split {split!r} has no shards")
         # a stat per shard: a deleted or truncated shard stops the run here, not when it is reached
+        self.deferred = any(row.get("deferred") for _, row in self.shards)
+        if self.deferred and (wait_shard is None or shuffle_window is None):
+            raise ValueError(f"split {split!r}: deferred shards (a disk budget) need wait_shard and a shuffle window")
+        self.wait_shard = wait_shard
+        self._epoch = 0
+        self._occurrences: OrderedDict[tuple[int, int], tuple[Shard, dict[int, int]]] = OrderedDict()
         for path, row in self.shards:
+            if row.get("deferred"):
+                continue
             size = path.stat().st_size if path.is_file() else None
             if size != row["bytes"]:
                 found = "does not exist" if size is None else f"has {size} bytes"
@@ -141,6 +155,7 @@ class PackedRows:
         self._cached: OrderedDict[int, Shard] = OrderedDict()  # the last `window` shards read
         self._open: OrderedDict[int, object] = OrderedDict()  # sample reads: the last OPEN_SHARDS opened
         self.truncated: set[tuple[int, int]] = set()
+        self.skipped_non_finite: set[int] = set()  # under a disk budget: found at extraction
         self.too_short: set[tuple[int, int]] = set()
 
     # ------------------------------------------------------------------ plan
@@ -150,6 +165,8 @@ class PackedRows:
         return g
 
     def offsets(self, si: int) -> torch.Tensor:
+        if si not in self._offsets and self.shards[si][1].get("deferred"):
+            self._offsets[si] = torch.tensor([0, *self.shards[si][1]["lengths"]]).cumsum(0)
         if si not in self._offsets:
             path = self.shards[si][0]
             try:
@@ -197,13 +214,22 @@ class PackedRows:
         while True:
             group: list[Row] = []
             produced = False
-            for i, row in enumerate(self.plan(epoch)):
+            plan = self.plan(epoch)
+            last_use = {}
+            if self.deferred:  # the row after which each shard of the pass is needed no more
+                plan = list(plan)
+                last_use = {si: i for i, row in enumerate(plan) for si, _, _ in row}
+            for i, row in enumerate(plan):
                 if i < index:
                     continue
                 group.append(row)
                 if len(group) == self.world_size:
                     produced = True
-                    yield (epoch, i + 1), self.materialize(group[self.rank])
+                    self._epoch = epoch  # the pass whose shard files a disk budget reads
+                    batch = self.materialize(group[self.rank])
+                    for key in [k for k in self._occurrences if k[0] < epoch or last_use.get(k[1], -1) <= i]:
+                        del self._occurrences[key]
+                    yield (epoch, i + 1), batch
                     group = []
             if not produced and index == 0:
                 raise SystemExit(f"split {self.split!r}: fewer packed rows per epoch than ranks "
@@ -245,10 +271,10 @@ class PackedRows:
     def __getstate__(self) -> dict:  # a row worker process opens its own memory maps
         return {**self.__dict__, "_open": OrderedDict()}
 
-    def _checked(self, si: int, read):
+    def _checked(self, si: int, read, path=None):
         """``read(path)``, with the shard's settings and layers checked against the manifest; a
         shard that cannot be read or was made otherwise stops the run, naming it."""
-        path = self.shards[si][0]
+        path = path or self.shards[si][0]
         try:
             result, meta, layers = read(path)
         except (OSError, ValueError) as e:
@@ -276,8 +302,41 @@ class PackedRows:
                 self._cached.popitem(last=False)
         return self._cached[si]
 
-    def _sample(self, si: int, b: int) -> dict:
+    def _occurrence(self, si: int, b: int) -> dict | None:
+        """Sample b (of the manifest row) of shard si as made for this pass under a disk budget, read
+        into memory when first needed; None for a sample extraction skipped (non-finite states)."""
+        key = (self._epoch, si)
+        row = self.shards[si][1]
+        if key in self._occurrences:
+            self._occurrences.move_to_end(key)
+        else:
+            path = self.wait_shard(self._epoch, row["batch"])
+
+            def read(path):
+                shard = read_shard(path)
+                return shard, shard.metadata, shard.hidden_states.shape[1]
+
+            shard = self._checked(si, read, path)
+            at = {int(index): p for p, index in enumerate(shard.sample_index.tolist())}
+            planned = dict(zip(row["indices"], row["lengths"]))
+            lengths = shard.offsets.diff().tolist()
+            if any(planned.get(index) != lengths[p] for index, p in at.items()):
+                raise SystemExit(f"shard {path} holds other samples than manifest row {row['file']} plans; rerun "
+                                 "with --forcerun extract_hidden_states")
+            # kept until the row that uses it last is packed (stream), then unmapped: the trainer
+            # deletes the file after that row's step, and a mapped file would keep its disk space
+            self._occurrences[key] = (shard, at)
+        shard, at = self._occurrences[key]
+        index = row["indices"][b]
+        if index not in at:
+            self.skipped_non_finite.add(index)
+            return None
+        return shard.sample(at[index])
+
+    def _sample(self, si: int, b: int) -> dict | None:
         """Sample b of shard si: a view of the cached shard, or (global shuffle) its bytes alone."""
+        if self.shards[si][1].get("deferred"):
+            return self._occurrence(si, b)
         if not self.sample_reads:
             return self._shard(si).sample(b)
         if si in self._open:
@@ -297,8 +356,12 @@ class PackedRows:
         from speculators.models.eagle3.data import shift_batch
 
         parts = []
+        kept = []
         for si, b, length in row:
             sample = self._sample(si, b)
+            if sample is None:
+                continue
+            kept.append((si, b, length))
             hs = sample["hidden_states"][:length].to(self.dtype)
             parts.append(shift_batch({
                 "input_ids": sample["input_ids"][:length].long(),
@@ -308,6 +371,9 @@ class PackedRows:
                 "lengths": torch.tensor([length]),
                 "position_ids": torch.arange(length),
             }))
+        if not parts:
+            raise SystemExit(f"split {self.split!r}: every sample of a row was skipped by extraction "
+                             "(non-finite hidden states)")
         lengths = torch.cat([p["lengths"] for p in parts])
         batch = {key: torch.cat([p[key] for p in parts]).unsqueeze(0)
                  for key in ("input_ids", "hidden_states", "verifier_last_hidden_states", "loss_mask", "position_ids")}
@@ -317,8 +383,8 @@ class PackedRows:
             batch = pad_row(batch, self.pad_to)
         if self.pin_memory:  # page-locked: the copy to the GPU runs at full speed and asynchronously
             batch = {k: v.pin_memory() for k, v in batch.items()}
-        batch["categories"] = [row_categories(self.shards[si][1])[b] for si, b, _ in row]
-        batch["prompt_sets"] = [row_prompt_sets(self.shards[si][1])[b] for si, b, _ in row]
+        batch["categories"] = [row_categories(self.shards[si][1])[b] for si, b, _ in kept]
+        batch["prompt_sets"] = [row_prompt_sets(self.shards[si][1])[b] for si, b, _ in kept]
         return batch
 
 

@@ -88,7 +88,8 @@ STAGE_SETTINGS: dict[str, dict[str, tuple[Group, ...]]] = {
         "shards": (group("target", "revision", "trust_remote_code"),
                    group("extract", "backend", "device", "tensor_parallel_size", "layer_ids", "batch_size",
                          "storage_dtype"),
-                   group("target", "dtype"), group("extract", "max_model_len"), _ENGINE, _KV_CACHE),
+                   group("target", "dtype"), group("extract", "max_model_len"), _ENGINE, _KV_CACHE,
+                   group("extract", "disk_budget_gib")),
         "staging": (group("extract", "staging_dir"),),
     },
     "train_draft": {

@@ -142,9 +142,10 @@ def write_batch(path: Path, split: str, b: int, batch: list[PreparedSample], loa
 
 
 def extract(backend, pool, writers: int, jobs: list[tuple[str, int, list[PreparedSample]]],
-            shard_dir: Path, meta: dict, storage: str, num_layers: int, hidden: int):
+            shard_dir: Path, meta: dict, storage: str, num_layers: int, hidden: int, name=shards.shard_name):
     """Stream the jobs' batches through the backend into the writers, at most 2 x writers batches
-    ahead of them; return ([(split, batch, row or None, skipped)], throughput with the time split)."""
+    ahead of them; return ([(split, batch, row or None, skipped)], throughput with the time split).
+    ``name(split, batch)``: a shard's file name (a disk budget's occurrences have their own)."""
     by_key = {(split, b): batch for split, b, batch in jobs}
     done = []
     # where the time goes: in the backend (the GPU's share) or blocked on the writers; the tail
@@ -173,7 +174,7 @@ def extract(backend, pool, writers: int, jobs: list[tuple[str, int, list[Prepare
         try:
             while (item := timed("backend_s", next, items, None)) is not None:
                 (split, b), loader = item
-                pending.append(((split, b), pool.submit(write_batch, shard_dir / shards.shard_name(split, b), split,
+                pending.append(((split, b), pool.submit(write_batch, shard_dir / name(split, b), split,
                                                         b, by_key[split, b], loader, meta, storage, num_layers,
                                                         hidden)))
                 while pending and (len(pending) > 2 * writers or pending[0][1].done()):

@@ -7,6 +7,10 @@ The same loop runs on one GPU, and under torchrun (WORLD_SIZE > 1) with DDP.
 Writes ``<out>/metrics.jsonl`` (a row per logged train step and per evaluation, the untrained
 draft's at step 0 included), checkpoints under ``<out>/checkpoints/`` (see checkpoints.py) and at
 the end ``<out>/summary.json``, which the exporter reads.
+
+Under a disk budget (a manifest whose train shards are deferred: shard_budget) the training starts
+the extractor given by ``--producer`` as its child, reads each train shard as it is made and
+deletes it after the step that used it last; the summary's ``disk_budget`` says what it cost.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from . import checkpoints
+from . import checkpoints, shard_budget
 from .acceptance import DRAFT_VOCAB_KEY, EXPLANATIONS
 from .atomic import atomic_path, sha256_file, write_json
 from .code_digest import code_digest
@@ -50,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out-dir", required=True)
     add_stage_arguments(p, "train_draft", types={"shuffle_buffer_gib": shuffle_buffer})
     add_row_loader_argument(p)
+    p.add_argument("--producer", default=None,
+                   help="under a disk budget: the shell command of the extractor that makes the train shards while "
+                        "training runs (python -m eaglepipe.extract_hidden_states ... without --schedule; the rule "
+                        "gives it)")
     return p
 
 
@@ -68,14 +76,43 @@ RESULT_NEUTRAL = {
     "manifest": "its shards are digested instead (settings 'data')",
     "vocab": "its content is digested instead (settings 'vocab')",
     "row_loader": "the same rows whichever packs them",
+    "producer": "the extractor under a disk budget: what it makes is checked against the manifest's settings",
 }
 
 
-def run_settings(args, manifest: dict) -> dict:
-    """Everything that changes what training produces (the world size does not: packed_data)."""
+def run_settings(args, manifest: dict, budget_window: int | None = None) -> dict:
+    """Everything that changes what training produces (the world size does not: packed_data); under
+    a disk budget, the shuffle window it leaves (not the budget: another one of the same window
+    trains the same draft)."""
     data = hashlib.sha256(json.dumps([manifest["layer_ids"], manifest["splits"]], sort_keys=True).encode())
     settings = {k: v for k, v in vars(args).items() if k not in RESULT_NEUTRAL}
-    return dict(settings, model=str(args.model), data=data.hexdigest()[:16], vocab=sha256_file(args.vocab)[:16])
+    settings = dict(settings, model=str(args.model), data=data.hexdigest()[:16], vocab=sha256_file(args.vocab)[:16])
+    if budget_window is not None:
+        settings["budget_window"] = budget_window
+    return settings
+
+
+PREFETCH_DEPTH = 2  # rows packed ahead of the step (PackedRows.prefetched's default)
+
+
+def budget_plan(args, manifest: dict, world: int):
+    """Under a disk budget: (the shuffle window it leaves, the window without it, plan(window) ->
+    the rows of a pass); else None."""
+    if not shard_budget.is_budgeted(manifest):
+        return None
+    configured = shuffle_window(manifest, "train", args.shuffle_buffer_gib)
+    plans: dict[int, PackedRows] = {}
+
+    def rows_of(window: int):
+        if window not in plans:
+            plans[window] = PackedRows(manifest, "train", args.batch_tokens, seed=args.seed, shuffle=True,
+                                       shuffle_window=window, wait_shard=lambda e, b: None)
+        return plans[window].plan
+
+    rows = shard_budget.train_rows(manifest)
+    window = shard_budget.choose_window(rows_of, configured, len(rows), manifest[shard_budget.BUDGET_KEY]["train_bytes"],
+                                        [r["bytes"] for r in rows], args.max_steps, world, PREFETCH_DEPTH)
+    return window, configured, rows_of(window)
 
 
 class MetricsLog:
@@ -105,7 +142,7 @@ def train(args, stop_after: int | None = None) -> dict | None:
     (the test's stand-in for a killed job)."""
     from speculators.losses import resolve_loss_config
 
-    from .acceptance import check_select_by, select_value
+    from .acceptance import check_select_by
     from .draft_model import training_row_options
     from .evaluation import Evaluation
 
@@ -123,7 +160,8 @@ def train(args, stop_after: int | None = None) -> dict | None:
     except ValueError as e:
         raise SystemExit(f"manifest {args.manifest}: {e}") from e
     aux_ids = aux_layer_ids(layer_ids)
-    settings = run_settings(args, manifest)
+    budgeted = budget_plan(args, manifest, world)
+    settings = run_settings(args, manifest, budgeted[0] if budgeted else None)
     digest = checkpoints.settings_digest(settings)
     log.info("target %s, layer ids %s (aux %s), %d thread(s), device %s, world size %d, settings digest %s",
              args.model, layer_ids, aux_ids, threads, device, world, digest)
@@ -137,8 +175,9 @@ def train(args, stop_after: int | None = None) -> dict | None:
         dist.barrier()
         if not main_rank:
             resume = checkpoints.find_resume(out, digest)
+    budget = shard_budget.Budget(manifest, out, args.producer, args.seed) if budgeted else None
     if resume and resume[1]["step"] >= args.max_steps:
-        return reuse(args, out, *resume, layer_ids, aux_ids, main_rank)
+        return reuse(args, out, *resume, layer_ids, aux_ids, main_rank, budget, budgeted, world)
 
     random.seed(args.seed)
     torch.manual_seed(args.seed)
@@ -160,11 +199,15 @@ def train(args, stop_after: int | None = None) -> dict | None:
         set_rng_state(state["rng"])
         step, position, train_tokens = state["step"], tuple(state["position"]), state["train_tokens"]
         evals, best = state["evals"], state["best"]
+        if budget:
+            budget.load_state(state["budget"])
         log.info("resuming from %s at step %d (data position epoch %d, row %d); saved with world size %d, "
                  "now %d%s", ckpt, step, *position, state["world_size"], world,
                  "" if state["world_size"] == world else " (rows per step change with it)")
     else:
         log.info("starting fresh")
+        if budget and main_rank:
+            budget.fresh()
     metrics = MetricsLog(out / "metrics.jsonl", rows, main_rank)
     ddp_model = model
     if world > 1:
@@ -186,13 +229,38 @@ def train(args, stop_after: int | None = None) -> dict | None:
         run_eval(0)
 
     window = shuffle_window(manifest, "train", args.shuffle_buffer_gib)
+    wait_shard = None
+    if budget:
+        window = budgeted[0]
+        log.info("disk budget: rows shuffle the samples of %d shard(s) at a time, %s", window,
+                 "as without the budget" if window == budgeted[1] else
+                 f"fewer than without it ({'all' if budgeted[1] is None else budgeted[1]}): another order, another draft")
+        if main_rank:
+            wait_shard = budget.start(budgeted[2], position, args.max_steps - step, world, PREFETCH_DEPTH)
+        else:
+            wait_shard = shard_budget.ShardWaiter(budget.shard_dir, None)
     log.info("rows shuffle the samples of %s at a time (--shuffle-buffer-gib %s)",
              "every shard" if window is None else f"{window} shard(s)", args.shuffle_buffer_gib)
     # the next rows are packed while this step runs (on a GPU that was idle time)
     rows = PackedRows(manifest, "train", args.batch_tokens, seed=args.seed, shuffle=True, rank=rank, world_size=world,
-                      shuffle_window=window, **training_row_options(device, args.batch_tokens))
+                      shuffle_window=window, wait_shard=wait_shard, **training_row_options(device, args.batch_tokens))
     log.info("rows are packed ahead by a %s (--row-loader)", "worker process" if args.row_loader == "process" else "thread")
-    stream = rows.prefetched(args.row_loader, *position)
+    try:
+        return train_steps(args, out, rows, position, step, world, device, main_rank, model, ddp_model, optimization,
+                           params, loss_config, metrics, run_eval, evals, best, train_tokens, digest, code, settings,
+                           layer_ids, aux_ids, draft_vocab, budget, budgeted, stop_after)
+    finally:
+        if budget and main_rank:
+            budget.stop()
+
+
+def train_steps(args, out, rows, position, step, world, device, main_rank, model, ddp_model, optimization, params,
+                loss_config, metrics, run_eval, evals, best, train_tokens, digest, code, settings, layer_ids, aux_ids,
+                draft_vocab, budget, budgeted, stop_after):
+    """The training loop from ``step`` at data ``position`` to --max-steps."""
+    from .acceptance import select_value
+
+    stream = rows.prefetched(args.row_loader, *position, depth=PREFETCH_DEPTH)
     log_every = max(1, args.max_steps // 200)
     keys = ("hidden_states", "input_ids", "document_ids", "loss_mask", "position_ids", "verifier_last_hidden_states")
     window_tokens, window_start = 0, time.perf_counter()
@@ -211,6 +279,8 @@ def train(args, stop_after: int | None = None) -> dict | None:
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             optimization.step()
             step += 1
+            if budget and main_rank:  # every rank has trained its row: their last use deletes shards
+                budget.step_done(world)
             tokens = batch["lengths"].sum().reshape(1).to(device)  # real tokens, not the pads
             stats = torch.stack([loss.detach().float()] + [m[f"full_acc_{s}_sum"].float() for s in range(args.ttt_steps)]
                                 + [m[f"full_acc_{s}_total"].float() for s in range(args.ttt_steps)])
@@ -242,6 +312,8 @@ def train(args, stop_after: int | None = None) -> dict | None:
                              "position": list(position), "rng": rng_state(), "step": step, "world_size": world,
                              "digest": digest, "code": code, "settings": settings, "train_tokens": train_tokens,
                              "evals": evals, "best": best, "resources": training_resources(optimization, device)}
+                    if budget:
+                        state["budget"] = budget.state()
                     path = checkpoints.save(out, step, model, state, metrics.rows, best=is_best)
                     log.info("checkpoint %s%s", path, " (best so far)" if is_best else "")
                 if world > 1:
@@ -251,6 +323,10 @@ def train(args, stop_after: int | None = None) -> dict | None:
 
     summary = training_summary(args, step, best, evals, train_tokens, layer_ids, aux_ids, draft_vocab,
                                training_resources(optimization, device))
+    if budget and main_rank:  # rank 0 started the extractor and counted the samples
+        budget.stop()
+        summary["disk_budget"] = budget_summary(budget, budgeted, world, train_tokens)
+        log.info("disk budget: %s", summary["disk_budget"])
     if main_rank:
         metrics.save()
         write_json(out / "summary.json", summary)
@@ -284,12 +360,22 @@ def reusable_or_superseded(out: Path, digest: str, code: str, max_steps: int):
     return None
 
 
-def reuse(args, out: Path, ckpt: Path, state: dict, rows: list[dict], layer_ids, aux_ids, main_rank: bool) -> dict:
+def budget_summary(budget, budgeted, world: int, train_tokens: int) -> dict:
+    window, configured, rows_of_epoch = budgeted
+    rows_per_pass = len(list(rows_of_epoch(0))) // world * world
+    return budget.summary(rows_per_pass, train_tokens, window, configured)
+
+
+def reuse(args, out: Path, ckpt: Path, state: dict, rows: list[dict], layer_ids, aux_ids, main_rank: bool,
+          budget=None, budgeted=None, world: int = 1) -> dict:
     """The outputs of a finished training with these settings, data and code, from its checkpoints:
     whatever made the job run again (a regenerated identical manifest, --forcerun), no step is redone."""
     config = json.loads((ckpt / "config.json").read_text())
     summary = training_summary(args, state["step"], state["best"], state["evals"], state["train_tokens"], layer_ids,
                                aux_ids, int(config["draft_vocab_size"]), state["resources"])
+    if budget:
+        budget.load_state(state["budget"])
+        summary["disk_budget"] = budget_summary(budget, budgeted, world, state["train_tokens"])
     if main_rank:
         MetricsLog(out / "metrics.jsonl", rows, enabled=True)
         write_json(out / "summary.json", summary)

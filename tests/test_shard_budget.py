@@ -1,0 +1,112 @@
+"""The disk budget's pieces without a whole run (tests/e2e/test_disk_budget.py runs them together):
+when extraction defers the train shards, the schedule of what must be on disk at once, and the
+producer making a pass's shards within the budget."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+import tiny
+from eaglepipe import extract_hidden_states as ehs
+from eaglepipe import shard_budget
+from eaglepipe.gather_manifest import gather
+
+
+def test_no_budget_or_one_that_fits_changes_nothing():
+    sizes = {"train": [100, 100], "eval": [50]}
+    assert shard_budget.plan(None, sizes, 10) is None
+    assert shard_budget.plan(250 / 2**30, sizes, 10) is None
+    record = shard_budget.plan(200 / 2**30, sizes, 10)
+    assert record["train_bytes"] == 150 and record["eval_bytes"] == 50 and record["projected_bytes"] == 250
+    with pytest.raises(SystemExit, match="extract.disk_budget_gib .*the held-out eval shards alone need"):
+        shard_budget.plan(120 / 2**30, sizes, 10)
+    assert shard_budget.plan(1 / 2**30, {"train": [], "eval": [50]}, 10) is None  # a parity set
+
+
+def test_the_schedule_counts_what_the_rows_in_flight_need():
+    # pass 0: rows use shards (0), (0, 1), (1), (2); pass 1 the reverse
+    plans = {0: [[(0, 0, 5)], [(0, 1, 5), (1, 0, 5)], [(1, 1, 5)], [(2, 0, 5)]],
+             1: [[(2, 0, 5)], [(1, 0, 5)], [(1, 1, 5), (0, 0, 5)], [(0, 1, 5)]]}
+    sched = shard_budget.Schedule(lambda e: plans[e % 2], (0, 1), steps=5, world=1, sizes=[10, 20, 40])
+    assert [(e, i) for e, i, _ in sched.rows] == [(0, 1), (0, 2), (0, 3), (1, 0), (1, 1)]
+    assert sched.order == [(0, 0), (0, 1), (0, 2), (1, 2), (1, 1)]
+    assert sched.last[(0, 0)] == 0 and sched.last[(0, 1)] == 1 and sched.last[(1, 1)] == 4
+    assert sched.peak_bytes(0) == 40  # one row's shards at a time
+    assert sched.peak_bytes(1) == 40 + 40  # with a row read ahead: both passes' copies of shard 2
+    assert sched.peak_bytes(10) == 10 + 20 + 40 + 40 + 20
+
+
+def test_extraction_over_the_budget_writes_only_the_eval_shards_and_the_producer_the_rest(tmp_path, tiny_llama):
+    train, evl = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
+    tiny.make_tokenized(train, 8, 400, seed=1, prefix="t")
+    tiny.make_tokenized(evl, 2, 400, seed=2, prefix="e")
+    shard_dir = tmp_path / "hs" / "shards"
+    common = ["--train", str(train), "--eval", str(evl), "--model", str(tiny_llama), "--device", "cpu",
+              "--batch-size", "2", "--shard-dir", str(shard_dir)]
+    part = tmp_path / "hs" / "parts" / "replica-0-of-1.json"
+    ehs.main([*common, "--out", str(part), "--disk-budget-gib", str(100_000 / 2**30)])
+    m = json.loads(part.read_text())
+    assert m["disk_budget"]["bytes"] == 100_000
+    assert all(r["deferred"] for r in m["splits"]["train"]["shards"]) and len(m["splits"]["train"]["shards"]) == 4
+    assert sorted(p.name for p in shard_dir.glob("*.safetensors")) == ["eval-000000.safetensors"]
+    merged = gather([part], tmp_path / "hs" / "manifest.json")
+    assert merged["disk_budget"] == m["disk_budget"]
+    # the training refuses, before any step, a budget that cannot hold the shards its rows in flight need
+    from argparse import Namespace
+
+    from eaglepipe.shards import load_manifest
+    from eaglepipe.train_draft import budget_plan
+
+    train_args = Namespace(shuffle_buffer_gib="global", batch_tokens=64, seed=0, max_steps=20)
+    with pytest.raises(SystemExit, match="the train share of the budget .* cannot hold .* raise the budget by"):
+        budget_plan(train_args, load_manifest(tmp_path / "hs" / "manifest.json"), 1)
+    # the same settings without the budget: the part's settings (and so the shards' digest) are the same
+    plain = tmp_path / "plain.json"
+    ehs.main([*common, "--out", str(plain), "--shard-dir", str(tmp_path / "plain")])
+    assert json.loads(plain.read_text())["settings"] == m["settings"] and "disk_budget" not in json.loads(plain.read_text())
+
+    # the producer: two passes of batch 0 and 1, at most one shard's room beside what is on disk
+    biggest = max(r["bytes"] for r in m["splits"]["train"]["shards"])
+    schedule = tmp_path / "schedule.json"
+    progress = tmp_path / "trained.json"
+    progress.write_text(json.dumps({"rows": 0}))
+    schedule.write_text(json.dumps({"occurrences": [[0, 1, 0], [0, 0, 1], [1, 0, 2]], "budget_bytes": 2 * biggest,
+                                    "eval_bytes": 0, "stats": str(tmp_path / "extracted.jsonl"),
+                                    "progress": str(progress)}))
+    done = threading.Event()
+
+    def consume():  # what the training does: delete a shard after its use, say so first
+        waiter = shard_budget.ShardWaiter(shard_dir, None)
+        for k, (e, b) in enumerate([(0, 1), (0, 0), (1, 0)]):
+            path = waiter(e, b)
+            assert shard_budget.occurrence_bytes(shard_dir) <= 2 * biggest
+            progress.write_text(json.dumps({"rows": k + 1}))
+            path.unlink()
+            Path(f"{path}.checksum").unlink()
+        done.set()
+
+    t = threading.Thread(target=consume)
+    t.start()
+    ehs.main([*common, "--schedule", str(schedule)])
+    t.join(timeout=60)
+    assert done.is_set()
+    rows = [json.loads(x) for x in (tmp_path / "extracted.jsonl").read_text().splitlines()]
+    assert [(r["epoch"], r["batch"]) for r in rows] == [(0, 1), (0, 0), (1, 0)]
+    assert not shard_budget.occurrence_files(shard_dir)
+    assert os.path.exists(shard_dir / "eval-000000.safetensors")
+
+
+def test_the_refusal_for_lack_of_disk_names_the_budget(tmp_path, tiny_llama, monkeypatch):
+    from collections import namedtuple
+
+    from eaglepipe import disk_budget
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(disk_budget.shutil, "disk_usage", lambda p: usage(10 << 30, 10 << 30, 100 << 20))
+    with pytest.raises(SystemExit, match="set extract.disk_budget_gib to train through a bounded set of shards"):
+        disk_budget.check_room(tmp_path, 1 << 30, None, 0)
