@@ -362,3 +362,17 @@ def test_mla_head_dims_vllm_has_no_kernel_for_are_refused(tmp_path):
     assert "which extract.backend = 'vllm' start on it: MLA head dims (qk_nope_head_dim, qk_rope_head_dim, " \
            "v_head_dim) = (32, 64, 128)" in error
     assert checked(cfg) == []  # nothing starts vLLM
+
+
+def test_a_disk_budget_with_vllm_extraction_needs_a_fixed_kv_cache():
+    """Under a budget the extractor's engine starts inside the training job, beside the trainer."""
+    schema = load_schema(SCHEMA)
+    cfg = demo()
+    cfg["extract"] = dict(cfg.get("extract") or {}, backend="vllm", disk_budget_gib=500)
+    assert config_errors(cfg, schema) == [
+        "config key extract.disk_budget_gib = 500 with extract.backend 'vllm' needs vllm.kv_cache_gib (the "
+        "extractor's vLLM engine starts inside the training job, beside the trainer on the same GPUs, where "
+        "profiling free memory fails): set vllm.kv_cache_gib, e.g. 2"]
+    assert config_errors({**cfg, "vllm": {"kv_cache_gib": 2}}, schema) == []
+    cfg["extract"]["backend"] = "hf"  # no engine, no profile
+    assert config_errors(cfg, schema) == []

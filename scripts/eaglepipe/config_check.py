@@ -116,6 +116,7 @@ def config_errors(config: dict, schema: dict) -> list[str]:
     if train.get("muon_weight_decay") is not None and optimizer != "muon":
         out.append(f"config key train.muon_weight_decay = {train['muon_weight_decay']!r} is not allowed with "
                    f"train.optimizer {optimizer!r}: it sets the Muon group (optimizer muon)")
+    out += budget_errors(config, schema)
     out += regenerate_errors(config.get("regenerate") or {}, schema["properties"]["regenerate"]["properties"])
     out += eval_prompts_errors((config.get("evaluate") or {}).get("prompts"))
     engine_args = (config.get("benchmark_serving") or {}).get("engine_args")
@@ -131,6 +132,22 @@ def config_errors(config: dict, schema: dict) -> list[str]:
         out.append(f"config key extract.layer_ids = {ids} is not allowed: it must be strictly "
                    f"ascending with the final layer (num_hidden_layers) last")
     return out
+
+
+def budget_errors(config: dict, schema: dict) -> list[str]:
+    """A disk budget with vLLM extraction runs the extractor's engine inside the training job, on the
+    GPUs training allocates on meanwhile: vLLM's start-up memory profile (free memory before and
+    after its dummy run, vllm/v1/worker/gpu_worker.py of vLLM 0.26.0) then fails or sizes its KV
+    cache from memory the trainer takes next, so the engine's memory must be given, not profiled."""
+    extract, vllm = config.get("extract") or {}, config.get("vllm") or {}
+    defaults = schema["properties"]["extract"]["properties"]
+    budget = extract.get("disk_budget_gib")
+    backend = extract.get("backend", defaults["backend"]["default"])
+    if budget is None or backend != "vllm" or vllm.get("kv_cache_gib") is not None:
+        return []
+    return [f"config key extract.disk_budget_gib = {budget!r} with extract.backend 'vllm' needs vllm.kv_cache_gib "
+            "(the extractor's vLLM engine starts inside the training job, beside the trainer on the same GPUs, "
+            "where profiling free memory fails): set vllm.kv_cache_gib, e.g. 2"]
 
 
 def prompt_set_name(path: str) -> str:
