@@ -139,7 +139,7 @@ def get_prepare_data_source(wildcards, input):
     else:
         data = f"--data {config['data']['path']} --max-samples {config['data']['max_samples'] or 0}"
     if config["evaluate"]["prompts"]:
-        return f"{data} --eval-data {input.eval_data} --eval-fraction 0"
+        return f"{data} --eval-data {input.eval_data}"
     return f"{data} {get_setting_flags('prepare_data', 'split')}"
 
 

@@ -91,7 +91,6 @@ def test_cli_writes_shards_with_bf16_states_and_metadata(tmp_path, tiny_dsv3):
 
 
 @pytest.mark.parametrize("ids, message", [
-    ("0,2,6", "layer id 0 is not allowed"),
     ("3,2,6", "strictly ascending"),
     ("2,3,5", "last layer id must be the final layer 6"),
     ("2,3,7", "last layer id must be the final layer 6"),
@@ -106,6 +105,9 @@ def test_layer_ids_that_are_not_integers_are_refused(tmp_path, tiny_llama, capsy
     with pytest.raises(SystemExit):
         cli(tmp_path, tiny_llama, "--layer-ids", "2,x,6")
     assert "argument --layer-ids: '2,x,6': expected comma-separated integers" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # the schema's bound of each id: the embeddings are not a layer
+        cli(tmp_path, tiny_llama, "--layer-ids", "0,2,6")
+    assert "argument --layer-ids: 0: must be >= 1" in capsys.readouterr().err
 
 
 def test_non_finite_states_are_skipped_counted_and_listed(tmp_path, tiny_llama, monkeypatch, capsys):
@@ -237,7 +239,7 @@ def test_vllm_staging_auto_takes_the_ram_disk_only_with_room(tmp_path, monkeypat
 
 
 @pytest.mark.parametrize("extra, message", [
-    (("--batch-size", "0"), "--batch-size 0: must be >= 1"),
+    (("--batch-size", "0"), "argument --batch-size: 0: must be >= 1"),  # the schema's bound
     (("--replica", "2", "--replicas", "2"), "need 0 <= replica < replicas"),
     (("--connector-threads", "0"), "--connector-threads 0: must be >= 1"),
     (("--writer-pool", "fibers"), "invalid choice: 'fibers'"),

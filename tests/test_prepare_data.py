@@ -134,13 +134,12 @@ def test_empty_eval_split_is_a_clear_error(tmp_path, tiny_llama, chats):
         run(tmp_path, chats, tiny_llama, "--max-samples", 1, "--eval-fraction", 0.01)
 
 
-def test_eval_data_is_the_eval_split_and_excludes_a_drawn_one(tmp_path, tiny_llama, chats):
-    with pytest.raises(SystemExit):  # argparse: --eval-data is the eval split, no fraction is drawn
-        run(tmp_path, chats, tiny_llama, "--eval-data", chats, "--eval-fraction", 0.1)
+def test_eval_data_is_the_eval_split_and_no_fraction_is_drawn(tmp_path, tiny_llama, chats):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
+    # --eval-fraction is not used: the empty eval data is the eval split, however large the fraction
     with pytest.raises(SystemExit, match=f"{empty}: the eval split is empty"):
-        run(tmp_path, chats, tiny_llama, "--eval-data", empty, "--eval-fraction", 0)
+        run(tmp_path, chats, tiny_llama, "--eval-data", empty, "--eval-fraction", 0.5)
 
 
 def test_multimodal_wrapper_vocab_from_text_config(tmp_path, tiny_llama, chats):

@@ -752,4 +752,4 @@ def test_a_second_set_needs_all_its_paths_and_sane_sampling(tmp_path, tiny_llama
     assert p.returncode == 2 and "a second set needs all of --eval-data, --eval-out" in p.stderr, p.stderr
     p = subprocess.run([*with_eval_set(tmp_path, cli(tmp_path, tiny_llama, data), data), "--eval-top-p", "0"],
                        capture_output=True, text=True, env=env)
-    assert p.returncode == 2 and "--eval-temperature must be >= 0 and --eval-top-p in (0, 1]" in p.stderr, p.stderr
+    assert p.returncode == 2 and "argument --eval-top-p: 0.0: must be > 0" in p.stderr, p.stderr

@@ -421,8 +421,9 @@ def test_load_prompts_reads_prepared_samples_no_further_than_needed(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--parity-k", "4"], "--parity-k 4 is not among --k"),
     (["--concurrency", "4,16"], "lacks 1"),
-    (["--k", "0,1"], "distinct integers >= 1"),
-    (["--gpu-memory-utilization", "1.5"], "must be in (0, 1]"),
+    (["--k", "1,1"], "expected distinct integers"),
+    (["--k", "0,1"], "argument --k: 0: must be >= 1"),  # the schema's bounds (settings.bounded)
+    (["--gpu-memory-utilization", "1.5"], "1.5: must be <= 1"),
     (["--engine-args", '{"dtype": "float16"}'], "benchmark_serving.engine_args.dtype: the serving benchmark sets it"),
     (["--engine-args", "[1]"], "expected a JSON object, got list"),
     (["--engine-args", "{max_num_seqs: 1}"], "not JSON"),

@@ -5,8 +5,11 @@ states a key's default, allowed values or description again."""
 import argparse
 import ast
 import importlib
+import os
 import re
 import shlex
+import subprocess
+import sys
 
 import pytest
 import yaml
@@ -142,8 +145,7 @@ def parsed(module: str, words: list[str]) -> dict:
 
 @pytest.mark.parametrize("prompts", ["package:mtbench", None])
 def test_every_setting_reaches_its_stage_with_the_configs_value(tmp_path, prompts):
-    """Parsed by the stage's own parser, each setting flag of each rule's command is the config's value
-    (with a fixed evaluation set the eval split is that set: --eval-fraction 0)."""
+    """Parsed by the stage's own parser, each setting flag of each rule's command is the config's value."""
     commands, config = planned_commands(tmp_path, merged(EVERY_RULE, {"evaluate": {"prompts": prompts}}))
     for stage, groups in STAGE_SETTINGS.items():
         rules = [r for r, (module, _) in commands.items() if module == stage and r != "regenerate_eval_prompts"]
@@ -158,7 +160,7 @@ def test_every_setting_reaches_its_stage_with_the_configs_value(tmp_path, prompt
                         value = [{**m, "chat_template_kwargs": {"thinking": False}} for m in value]
                         found = [m._asdict() for m in found]
                     if f"{g.section}.{key}" == "data.eval_fraction" and prompts:
-                        value = 0
+                        continue  # not passed: the fixed evaluation set is the eval split
                     if f"{g.section}.{key}" == "benchmark_serving.k" and value is None:  # the export's K
                         value = [configured(config, "export", "num_speculative_tokens")
                                  or configured(config, "train", "ttt_steps")]
@@ -322,3 +324,18 @@ p.add_argument("--replicas", type=int, default=1)
                            "(default) gives MLA. `train.lr` is 3e-3 in the presets.") == [
         "the default of draft.layers: `draft.layers` (default 1, EAGLE-3's) stacks layers.",
         "the default of draft.architecture: `draft.architecture`: `auto` (default) gives MLA."]
+
+
+@pytest.mark.parametrize("stage, argv, message", [
+    ("train_draft", ["--lr", "0"], "argument --lr: 0.0: must be > 0"),
+    ("train_draft", ["--batch-tokens", "8"], "argument --batch-tokens: 8: must be >= 16"),
+    ("regenerate_responses", ["--top-p", "1.5"], "argument --top-p: 1.5: must be <= 1"),
+    ("benchmark_serving", ["--concurrency", "1,0"], "argument --concurrency: 0: must be >= 1"),  # each item
+    ("evaluate", ["--context-buckets", "512,0"], "argument --context-buckets: 0: must be >= 1"),
+])
+def test_a_value_outside_the_schemas_bounds_is_refused_by_the_flag(stage, argv, message):
+    """The schema's minimum / exclusiveMinimum / maximum (an array's: of each item) hold on the
+    command line: no stage restates them."""
+    p = subprocess.run([sys.executable, "-m", f"eaglepipe.{stage}", *argv], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(REPO / "scripts")})
+    assert p.returncode == 2 and message in p.stderr, p.stderr[-500:]

@@ -30,15 +30,16 @@ def check_invariants(d2t, t2d, draft, target):
 
 def test_most_frequent_tokens_are_kept(tmp_path):
     freq = torch.zeros(100, dtype=torch.int64)
-    freq[[90, 5, 42, 7, 63]] = torch.tensor([50, 40, 30, 20, 1])
+    seen = [90 - 5 * i for i in range(17)]  # 17 tokens seen, the last (id 10) once
+    freq[seen] = torch.arange(17, 0, -1)
     out = tmp_path / "vm.safetensors"
     main(["--token-freq", str(write_freq(tmp_path / "f.safetensors", freq, template_digest="abc")),
-          "--draft-vocab-size", "4", "--out", str(out)])
+          "--draft-vocab-size", "16", "--out", str(out)])
     d2t, t2d, meta = load(out)
-    check_invariants(d2t, t2d, 4, 100)
-    assert torch.nonzero(t2d).flatten().tolist() == [5, 7, 42, 90]
-    assert meta["draft_vocab_size"] == "4" and meta["target_vocab_size"] == "100"
-    assert float(meta["coverage"]) == pytest.approx(140 / 141)
+    check_invariants(d2t, t2d, 16, 100)
+    assert torch.nonzero(t2d).flatten().tolist() == sorted(seen[:16])
+    assert meta["draft_vocab_size"] == "16" and meta["target_vocab_size"] == "100"
+    assert float(meta["coverage"]) == pytest.approx(152 / 153)
     assert meta["template_digest"] == "abc"
 
 
@@ -67,10 +68,10 @@ def test_draft_vocab_is_capped_at_the_target_vocab(tmp_path, capsys):
 def test_bad_inputs_are_clear_errors(tmp_path):
     out = str(tmp_path / "vm.safetensors")
     with pytest.raises(SystemExit, match="cannot read token frequencies"):
-        main(["--token-freq", str(tmp_path / "missing.safetensors"), "--draft-vocab-size", "8", "--out", out])
+        main(["--token-freq", str(tmp_path / "missing.safetensors"), "--draft-vocab-size", "16", "--out", out])
     save_file({"counts": torch.zeros(4, dtype=torch.int64)}, str(tmp_path / "other.safetensors"))
     with pytest.raises(SystemExit, match=r"no tensor 'token_freq' \(found \['counts'\]\)"):
-        main(["--token-freq", str(tmp_path / "other.safetensors"), "--draft-vocab-size", "8", "--out", out])
+        main(["--token-freq", str(tmp_path / "other.safetensors"), "--draft-vocab-size", "16", "--out", out])
     bad = write_freq(tmp_path / "float.safetensors", torch.ones(8))
     with pytest.raises(SystemExit, match="must be a 1-D int64 tensor"):
-        main(["--token-freq", str(bad), "--draft-vocab-size", "8", "--out", out])
+        main(["--token-freq", str(bad), "--draft-vocab-size", "16", "--out", out])

@@ -317,8 +317,8 @@ def int_list(text: str) -> list[int]:
         values = [int(x) for x in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers") from None
-    if not values or min(values) < 1 or len(set(values)) != len(values):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected distinct integers >= 1")
+    if not values or len(set(values)) != len(values):  # the items' bounds: the schema's (settings.bounded)
+        raise argparse.ArgumentTypeError(f"{text!r}: expected distinct integers")
     return sorted(values)
 
 
@@ -339,16 +339,9 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv=None) -> argparse.Namespace:
     p = build_parser()
     a = p.parse_args(argv)
-    for flag in ("num_prompts", "max_tokens", "tensor_parallel_size", "min_output_tokens", "parity_min_requests"):
-        if getattr(a, flag) is not None and getattr(a, flag) < 1:
-            p.error(f"--{flag.replace('_', '-')} {getattr(a, flag)}: must be at least 1")
-    if not 0 < a.gpu_memory_utilization <= 1:
-        p.error(f"--gpu-memory-utilization {a.gpu_memory_utilization}: must be in (0, 1]")
     errors = engine_args_errors(a.engine_args)
     if errors:
         p.error("--engine-args: " + "; ".join(errors))
-    if a.min_seconds <= 0 or a.near_tie_ulps <= 0:
-        p.error("--min-seconds and --near-tie-ulps must be positive")
     if not (Path(a.draft) / "config.json").is_file():
         p.error(f"--draft {a.draft}: no config.json (give the directory export_draft wrote)")
     if a.k is None:  # the K the export recorded: the one a user serves

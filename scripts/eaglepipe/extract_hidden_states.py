@@ -140,8 +140,6 @@ def parse_args(argv=None):
         ap.error(f"--replica {args.replica} --replicas {args.replicas}: need 0 <= replica < replicas")
     if args.staging_dir not in ("auto", "shards") and not Path(args.staging_dir).is_dir():
         ap.error(f"--staging-dir {args.staging_dir}: no such directory")
-    if args.batch_size < 1:
-        ap.error(f"--batch-size {args.batch_size}: must be >= 1")
     if args.out is None and args.schedule is None:
         ap.error("--out is required (the part manifest)")
     if args.connector_threads is not None and args.connector_threads < 1:

@@ -232,8 +232,9 @@ def prepare(args) -> dict:
         "chat_template_kwargs": args.chat_template_kwargs,
         "template_digest": digest,
         "vocab_size": vocab,
-        "settings": {k: getattr(args, k) for k in ("max_samples", "max_length", "too_long", "eval_fraction", "seed",
-                                                   "rerendered_turns")},
+        "settings": {**{k: getattr(args, k) for k in ("max_samples", "max_length", "too_long", "eval_fraction", "seed",
+                                                      "rerendered_turns")},
+                     **({"eval_fraction": 0} if args.eval_data else {})},  # not used: every record trains
         "read": read,
         "kept": kept,
         "skipped": sum(skipped.values()),
@@ -279,8 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-samples", type=int, default=0,
                    help="read at most this many records in file order (bad ones count); 0 = all")
     p.add_argument("--eval-data", default=None,
-                   help="token-exact samples that are the eval split (regenerate_eval_prompts' output); "
-                        "then every record of --data trains and --eval-fraction must be 0")
+                   help="token-exact samples that are the eval split (the regenerated answers to evaluate.prompts); "
+                        "then every record of --data trains and --eval-fraction is not used")
     add_stage_arguments(p, "prepare_data")
     return p
 
@@ -290,12 +291,6 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.max_samples < 0:
         p.error(f"--max-samples must be >= 0, got {args.max_samples}")
-    if args.max_length < 1:
-        p.error(f"--max-length must be >= 1, got {args.max_length}")
-    if args.eval_data is not None and args.eval_fraction != 0:
-        p.error(f"--eval-data is the eval split: --eval-fraction must be 0, got {args.eval_fraction}")
-    if args.eval_data is None and not 0 < args.eval_fraction < 1:
-        p.error(f"--eval-fraction must be between 0 and 1 (exclusive), got {args.eval_fraction}")
     check_model_dir(args.model)
     prepare(args)
 

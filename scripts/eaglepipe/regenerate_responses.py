@@ -199,20 +199,10 @@ def main(argv=None):
     given = [f"--eval-{k.replace('_', '-')}" for k in EVAL_PATHS if getattr(args, f"eval_{k}") is not None]
     if given and len(given) < len(EVAL_PATHS):
         p.error(f"a second set needs all of --eval-data, --eval-out, --eval-stats, --eval-parts-dir; got {given}")
-    for name in ("max_model_len", "loop_ngram", "batch_size", "hf_batch_size", "tensor_parallel_size"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.max_prompt_len < 0:
         p.error(f"--max-prompt-len must be >= 0 (0: no bound of its own), got {args.max_prompt_len}")
     for a in answer_sets(args):
         flag = "--" if a is args else "--eval-"
-        for name in ("max_new_tokens", "answers_per_conversation"):
-            if getattr(a, name) < 1:
-                p.error(f"{flag}{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
-        if a.temperature < 0 or not 0 < a.top_p <= 1:
-            p.error(f"{flag}temperature must be >= 0 and {flag}top-p in (0, 1], got {a.temperature}, {a.top_p}")
-        if a.loop_retries < 0:
-            p.error(f"{flag}loop-retries must be >= 0, got {a.loop_retries}")
         for key, other, why in regenerate_contradictions(a.temperature, a.answers_per_conversation,
                                                          a.loop_retries, a.on_loop):
             p.error(f"{flag}{key.replace('_', '-')} {getattr(a, key)} with {flag}{other.replace('_', '-')} "

@@ -11,6 +11,9 @@ front, ``--draft-layers``); its type, default, allowed values and help are the s
 - an array of integers or numbers: a comma list (``--concurrency 1,4,16``);
 - an object or an array of objects: JSON.
 
+A value outside the schema's bounds (``minimum``, ``exclusiveMaximum``, ...; an array's, of each
+item) is refused as the flag's value, so a stage restates none of them.
+
 STAGE_SETTINGS says which keys each stage takes, in named groups: a rule passes a group as one
 param (a rerun trigger) or, for settings that change none of its outputs, as a resource (which no
 rerun trigger looks at). WORKFLOW_KEYS are the keys that reach no stage as their own flag.
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import operator
 import re
 import shlex
 from dataclasses import dataclass
@@ -206,6 +210,29 @@ def parser_type(spec: dict):
     raise ValueError(f"{spec}: an array of objects needs the stage's own type")
 
 
+# JSON Schema's numeric bounds: the test a value passes, and how the refusal says it
+BOUNDS = {"minimum": (operator.ge, ">="), "exclusiveMinimum": (operator.gt, ">"),
+          "maximum": (operator.le, "<="), "exclusiveMaximum": (operator.lt, "<")}
+
+
+def bounded(parse, spec: dict):
+    """``parse``, refusing a value (an array: any item) outside the schema's bounds of ``spec``."""
+    kind = _kind(spec) if "oneOf" not in spec else None
+    limits = [(BOUNDS[k], spec.get("items", {}) if kind == "array" else spec) for k in BOUNDS]
+    limits = [(test, sign, where[k]) for k, ((test, sign), where) in zip(BOUNDS, limits) if k in where]
+    if not limits:
+        return parse
+
+    def parse_within_bounds(text: str):
+        value = parse(text)
+        for item in value if isinstance(value, list) else [value]:
+            for test, sign, bound in limits:
+                if not test(item, bound):
+                    raise argparse.ArgumentTypeError(f"{item}: must be {sign} {bound}")
+        return value
+    return parse_within_bounds
+
+
 def flag_value(spec: dict, value) -> str:
     """A non-null, non-boolean value as its flag's text."""
     if "oneOf" in spec:  # read by the stage's own type
@@ -244,7 +271,7 @@ def add_arguments(parser: argparse.ArgumentParser, groups, types: dict | None = 
                 continue
             if "oneOf" in spec and kind_type is None:
                 raise ValueError(f"{name}: a oneOf key needs the stage's own type")
-            kind_type = kind_type or parser_type(spec)
+            kind_type = bounded(kind_type or parser_type(spec), spec)
             if default is not None:
                 default = kind_type(flag_value(spec, default))
             choices = [v for v in spec.get("enum", []) if v is not None] or None

@@ -63,8 +63,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None):
     p = build_parser()
     args = p.parse_args(argv)
-    if args.draft_vocab_size < 1:
-        p.error(f"--draft-vocab-size must be >= 1, got {args.draft_vocab_size}")
     freq, meta = read_token_freq(args.token_freq)
     if freq.dim() != 1 or freq.dtype != torch.int64 or (freq < 0).any():
         raise SystemExit(f"{args.token_freq}: token_freq must be a 1-D int64 tensor of counts >= 0, "
