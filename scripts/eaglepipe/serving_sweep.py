@@ -139,7 +139,7 @@ def set_indices(prompt_sets: list[str | None]) -> dict[str, list[int]]:
 
 def set_share(bound: float | int, n_set: int, n_total: int) -> float:
     """A set's part of a point's window bound (seconds, tokens, requests), by its share of the
-    prompts: the sets' windows together take what one mixed window would, each at least 1 request."""
+    prompts: the sets' windows together take what one mixed window would (the caller rounds a count up)."""
     return bound * n_set / n_total
 
 

@@ -217,9 +217,8 @@ BOUNDS = {"minimum": (operator.ge, ">="), "exclusiveMinimum": (operator.gt, ">")
 
 def bounded(parse, spec: dict):
     """``parse``, refusing a value (an array: any item) outside the schema's bounds of ``spec``."""
-    kind = _kind(spec) if "oneOf" not in spec else None
-    limits = [(BOUNDS[k], spec.get("items", {}) if kind == "array" else spec) for k in BOUNDS]
-    limits = [(test, sign, where[k]) for k, ((test, sign), where) in zip(BOUNDS, limits) if k in where]
+    where = spec.get("items", {}) if "oneOf" not in spec and _kind(spec) == "array" else spec
+    limits = [(test, sign, where[k]) for k, (test, sign) in BOUNDS.items() if k in where]
     if not limits:
         return parse
 
