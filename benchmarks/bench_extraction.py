@@ -4,6 +4,7 @@ prefill and against our hf backend, same model and same tokens, in one run.
 
   python3 benchmarks/bench_extraction.py [--arch llama1b --n 1024 --len 1024 --batch-size 16 --json FILE]
                                          [--rows plain,vllm-disk,hf-disk,fp8-disk,vllm-ram,hf-ram,...]
+                                         [--data results/RUN/data]   a run's own samples, not random ones
 
 Run on the H200 from the repository root after vLLM was staged (PYTHONPATH=/tmp/site). Rows:
   plain vllm   LLM.generate(max_tokens=1) without capture, the first call after start (cold, as
@@ -41,6 +42,10 @@ from eaglepipe.vllm_env import set_vllm_env_defaults  # noqa: E402
 set_vllm_env_defaults()  # before any vllm import; nothing here touches CUDA
 
 
+def data_dir(args) -> Path:
+    return Path(args.data) if args.data else Path(args.work) / "data"
+
+
 def prompts(data: Path) -> list[list[int]]:
     return [json.loads(line)["input_ids"] for f in ("train.jsonl", "eval.jsonl")
             for line in open(data / f) if line.strip()]
@@ -50,7 +55,7 @@ def plain(args) -> None:
     """In a child process: plain vLLM prefill, printed as one JSON line."""
     from vllm import LLM, SamplingParams
 
-    ps = [{"prompt_token_ids": p} for p in prompts(Path(args.work) / "data")]
+    ps = [{"prompt_token_ids": p} for p in prompts(data_dir(args))]
     ntok = sum(len(p["prompt_token_ids"]) for p in ps)
     t0 = time.perf_counter()
     llm = LLM(model=str(Path(args.work) / "model"), skip_tokenizer_init=True, dtype="bfloat16",
@@ -103,7 +108,7 @@ def ours(args, backend: str, log: Path, shard_root: Path, staging: Path | None =
     out = shard_root / "part.json"
     shutil.rmtree(shard_root, ignore_errors=True)
     wall, _ = run([sys.executable, "-m", "eaglepipe.extract_hidden_states",
-                   "--train", str(work / "data" / "train.jsonl"), "--eval", str(work / "data" / "eval.jsonl"),
+                   "--train", str(data_dir(args) / "train.jsonl"), "--eval", str(data_dir(args) / "eval.jsonl"),
                    "--model", str(work / "model"), "--backend", backend, "--device", "cuda",
                    "--tensor-parallel-size", "1", "--layer-ids", args.layer_ids,
                    "--batch-size", str(args.batch_size), "--storage-dtype", storage, "--dtype", "bfloat16",
@@ -121,6 +126,9 @@ def main() -> None:
     ap.add_argument("--arch", default="llama1b", choices=["llama", "llama1b", "dsv3"])
     ap.add_argument("--n", type=int, default=1024, help="train samples (plus 8 eval)")
     ap.add_argument("--len", type=int, default=1024, help="tokens per sample")
+    ap.add_argument("--data", default=None, help="samples to use instead of --n x --len random tokens: a directory "
+                    "with train.jsonl and eval.jsonl of input_ids, e.g. a pipeline run's results/RUN/data (the "
+                    "same tokens its extraction read)")
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--layer-ids", default="2,8,13,16", help="llama1b: N=16")
     ap.add_argument("--max-model-len", type=int, default=2048)
@@ -143,11 +151,14 @@ def main() -> None:
     if not (work / "model" / "config.json").exists():
         run([sys.executable, str(REPO / "benchmarks" / "make_random_target.py"), "--arch", args.arch,
              "--out", str(work / "model")], log, 300)
-    shutil.rmtree(work / "data", ignore_errors=True)
-    run([sys.executable, str(REPO / "benchmarks" / "make_random_target.py"), "--data-out", str(work / "data"),
-         "--n", str(args.n), "--len", str(args.len)], log, 120)
-    res = {"arch": args.arch, "n": args.n, "len": args.len, "batch_size": args.batch_size,
-           "layer_ids": args.layer_ids, "compiled": args.compiled, "rows": {}}
+    if not args.data:
+        shutil.rmtree(work / "data", ignore_errors=True)
+        run([sys.executable, str(REPO / "benchmarks" / "make_random_target.py"), "--data-out", str(work / "data"),
+             "--n", str(args.n), "--len", str(args.len)], log, 120)
+    samples = prompts(data_dir(args))
+    res = {"arch": args.arch, "data": args.data or f"random, {args.n} x {args.len}", "samples": len(samples),
+           "tokens": sum(map(len, samples)), "batch_size": args.batch_size, "layer_ids": args.layer_ids,
+           "max_model_len": args.max_model_len, "gpu_util": args.gpu_util, "compiled": args.compiled, "rows": {}}
     res["disk_write_fsync_bytes_per_s"] = round(disk_speed(work))
     print(f"disk write+fsync: {res['disk_write_fsync_bytes_per_s'] / 2**30:.2f} GiB/s", flush=True)
 
@@ -164,7 +175,8 @@ def main() -> None:
     ram = Path(args.ram) / "eaglepipe-bench"
     runs = {
         "plain": ("plain vllm", lambda: json.loads([x for x in run(
-            [sys.executable, __file__, "--plain", "--work", str(work), "--max-model-len", str(args.max_model_len),
+            [sys.executable, __file__, "--plain", "--work", str(work), *(["--data", args.data] if args.data else []),
+             "--max-model-len", str(args.max_model_len),
              "--gpu-util", str(args.gpu_util), *(["--compiled"] if args.compiled else [])], log, 300)[1].splitlines()
             if x.startswith("PLAIN ")][-1][6:])),
         "vllm-disk": ("ours vllm, disk", lambda: ours(args, "vllm", log, disk)),
@@ -184,7 +196,7 @@ def main() -> None:
 
     hidden = json.loads((work / "model" / "config.json").read_text())["hidden_size"]
     # the bf16 shards of all tokens, +20 % for vLLM's staged files
-    need = 1.2 * args.n * args.len * bytes_per_token(len(args.layer_ids.split(",")), hidden, 2, "model")
+    need = 1.2 * res["tokens"] * bytes_per_token(len(args.layer_ids.split(",")), hidden, 2, "model")
     ram_free = shutil.disk_usage(args.ram).free if Path(args.ram).is_dir() else 0
     for key in args.rows:
         name, fn = runs[key]

@@ -13,7 +13,7 @@
 #       end, prints its progress and copies the small results to $OUT (kimi_rehearsal.tgz)
 # The chain's steps, each timed in results/kimi_rehearsal_steps.tsv: build (make_kimi_target.py),
 # disk (write + fsync bandwidth of the shard disk), pipeline (snakemake), bench_extraction (plain
-# vLLM prefill, our vLLM extraction to the disk in bf16 and fp8, same model and tokens).
+# vLLM prefill of the pipeline's own samples, same model and engine settings).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -51,11 +51,12 @@ chain() {
   step pipeline python3 -m snakemake --cores all --resources gpu=1 \
     --configfile config/presets/kimi-k2.5.yaml benchmarks/kimi_rehearsal.yaml
   mkdir -p "$BENCH" && ln -sfn "$PWD/$MODEL" "$BENCH/model"
-  # 128 x 1,024 tokens (7.5 GB of bf16 shards), layer ids as the pipeline's for 4 layers, compiled as
-  # the preset's engines; batches of 16 samples (bench_extraction.py says why)
-  step bench_extraction python3 benchmarks/bench_extraction.py --work "$BENCH" --n 128 --len 1024 \
-    --layer-ids 1,2,3,4 --max-model-len 2048 --gpu-util 0.85 --compiled --rows "${BENCH_ROWS:-plain,vllm-disk}" \
-    --json results/bench_extraction_kimi.json
+  # plain vLLM prefill of the tokens the pipeline's extraction read, with its engine settings (the
+  # schema's max_model_len, gpu_memory_utilization and batch size, compiled): the ratio to the
+  # manifest's throughput is capture's cost. BENCH_ROWS=plain,vllm-disk times ours here as well.
+  step bench_extraction python3 benchmarks/bench_extraction.py --work "$BENCH" --data "results/$RUN/data" \
+    --layer-ids 1,2,3,4 --max-model-len 8192 --gpu-util 0.9 --batch-size 64 --compiled \
+    --rows "${BENCH_ROWS:-plain}" --json results/bench_extraction_kimi.json
   echo "CHAIN DONE"
 }
 
@@ -92,7 +93,9 @@ status() {
       setup.log build.log disk.log pipeline.log bench_extraction.log bench_extraction_kimi.json bench_extraction/bench.log \
       models/kimi-k2.5-width/config.json "$RUN"/logs "$RUN"/benchmarks "$RUN"/data/stats.json "$RUN"/regenerated/stats.json \
       "$RUN"/hidden_states/manifest.json "$RUN"/hidden_states/parts "$RUN"/train/summary.json "$RUN"/train/metrics.jsonl \
-      "$RUN"/eval/*.json "$RUN"/draft/config.json "$RUN"/draft/README.md 2>/dev/null) || true
+      "$RUN"/eval/*.json "$RUN"/eval/parity/parts "$RUN"/draft/config.json "$RUN"/draft/README.md \
+      "$RUN"/draft/export.json "$RUN"/summary.json "$RUN"/regenerated/eval_prompts_stats.json "$RUN"/report/*.svg \
+      2>/dev/null) || true
   fi
 }
 
