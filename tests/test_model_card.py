@@ -154,6 +154,16 @@ def test_derived_k_are_marked_and_the_recommendation_is_among_the_timed_k(run):
     assert "among the K it timed" in card and json.loads(serve_line(card).split("'")[1])["num_speculative_tokens"] == 3
 
 
+def train_through_a_disk_budget(run, model_loads_s: list[float]):
+    """train/summary.json as a training through a disk budget writes it, its extractor's loads given."""
+    summary = json.loads((run / "train/summary.json").read_text())
+    summary["disk_budget"] = {"budget_bytes": 5 << 30, "peak_shard_bytes": 4 << 30, "projected_bytes": 50 << 30,
+                              "passes": 2.0, "samples_trained": 76, "tokens_trained": 246912,
+                              "shards_extracted": 24, "reextraction_s": 310.5, "order": "as without the budget",
+                              "model_loads_s": model_loads_s}
+    (run / "train/summary.json").write_text(json.dumps(summary))
+
+
 def test_every_target_load_is_in_the_card_and_the_runs_summary_once(run):
     # one regeneration engine answered both sets: both stats record it, it counts once
     engine = {"backend": "vllm", "load_s": 43.2, "answered": ["r/regenerated/eval_prompts.jsonl",
@@ -167,18 +177,21 @@ def test_every_target_load_is_in_the_card_and_the_runs_summary_once(run):
     for name, obj in files.items():
         (run / name).parent.mkdir(parents=True, exist_ok=True)
         (run / name).write_text(json.dumps(obj))
+    train_through_a_disk_budget(run, [95.0, 96.5])  # its extractor loaded the target again after a kill
     card = write_card(run, "--serving", str(run / "eval/serving.json"), "--regeneration-stats",
                       str(run / "regenerated/stats.json"), str(run / "regenerated/eval_prompts_stats.json"),
                       "--manifest", str(run / "hidden_states/manifest.json"), "--parity-manifest",
                       str(run / "eval/parity/part.json"), "--run-summary", str(run / "summary.json"))
     rows = [("regeneration: eval_prompts + chats", 43.2), ("extract_hidden_states (replica 0 of 2)", 122.0),
+            ("train_draft (disk budget extraction, load 1 of 2)", 95.0),
+            ("train_draft (disk budget extraction, load 2 of 2)", 96.5),
             ("benchmark_serving: target alone", 83.0), ("benchmark_serving: K=3", 111.0),
             ("extract_parity_hidden_states", 101.5)]
-    assert "## Target loads\nThe run started the target 5 time(s) as an engine, 460.7 s in all" in card
+    assert "## Target loads\nThe run started the target 7 time(s) as an engine, 652.2 s in all" in card
     table = card[card.index("| stage | seconds |"):].splitlines()
     assert table[2:] == [f"| {stage} | {s:,.1f} |" for stage, s in rows]
     summary = json.loads((run / "summary.json").read_text())["target_loads"]
-    assert (summary["count"], summary["seconds"]) == (5, 460.7)
+    assert (summary["count"], summary["seconds"]) == (7, 652.2)
     assert [(r["stage"], r["seconds"]) for r in summary["loads"]] == rows
 
 
@@ -188,3 +201,16 @@ def test_a_run_without_recorded_loads_has_no_loads_table(run):
     (run / "stats.json").write_text(json.dumps({"output": "r/regenerated/chats.jsonl"}))
     card = write_card(run, "--regeneration-stats", str(run / "stats.json"))
     assert "| regeneration: chats | n/a |" in card and "started the target 1 time(s)" in card
+
+
+def test_a_disk_budget_extractor_that_loaded_nothing_has_no_row(run):
+    # a producer that made no shard recorded no load; a load of 0 s started no engine (as for extraction)
+    for nothing in ([], [0.0]):
+        train_through_a_disk_budget(run, nothing)
+        card = write_card(run)
+        assert "train shards extracted during training" in card and "## Target loads" not in card
+    train_through_a_disk_budget(run, [95.0])
+    card = write_card(run, "--run-summary", str(run / "summary.json"))
+    assert card.endswith("| stage | seconds |\n| --- | --- |\n| train_draft (disk budget extraction) | 95.0 |\n")
+    assert json.loads((run / "summary.json").read_text())["target_loads"] == {
+        "count": 1, "seconds": 95.0, "loads": [{"stage": "train_draft (disk budget extraction)", "seconds": 95.0}]}

@@ -75,8 +75,12 @@ def test_extraction_over_the_budget_writes_only_the_eval_shards_and_the_producer
     schedule = tmp_path / "schedule.json"
     progress = tmp_path / "trained.json"
     progress.write_text(json.dumps({"rows": 0}))
+    # where the training's Budget keeps the producer's records (train_dir/budget/extracted.jsonl)
+    train_dir = tmp_path / "train"
+    stats = train_dir / "budget" / shard_budget.EXTRACTED
+    stats.parent.mkdir(parents=True)
     schedule.write_text(json.dumps({"occurrences": [[0, 1, 0], [0, 0, 1], [1, 0, 2]], "budget_bytes": 2 * biggest,
-                                    "eval_bytes": 0, "stats": str(tmp_path / "extracted.jsonl"),
+                                    "eval_bytes": 0, "stats": str(stats),
                                     "progress": str(progress)}))
     done = threading.Event()
 
@@ -95,10 +99,22 @@ def test_extraction_over_the_budget_writes_only_the_eval_shards_and_the_producer
     ehs.main([*common, "--schedule", str(schedule)])
     t.join(timeout=60)
     assert done.is_set()
-    rows = [json.loads(x) for x in (tmp_path / "extracted.jsonl").read_text().splitlines()]
+    load, *rows = [json.loads(x) for x in stats.read_text().splitlines()]
+    assert list(load) == ["model_load_s"] and load["model_load_s"] > 0  # the target, loaded once for both passes
     assert [(r["epoch"], r["batch"]) for r in rows] == [(0, 1), (0, 0), (1, 0)]
     assert not shard_budget.occurrence_files(shard_dir)
     assert os.path.exists(shard_dir / "eval-000000.safetensors")
+
+    # the training's summary: the shards made and the producer's loads apart; a producer killed
+    # right after its load (a line cut by the kill beside it) loaded the target all the same
+    with stats.open("a") as f:
+        f.write(json.dumps({"model_load_s": 3.25}) + '\n{"epoch": 1, "bat')
+    budget = shard_budget.Budget(load_manifest(tmp_path / "hs" / "manifest.json"), train_dir, None, seed=0)
+    summary = budget.summary(rows_per_epoch=2, train_tokens=0, window=1, configured_window=1)
+    assert summary["model_loads_s"] == [load["model_load_s"], 3.25]
+    assert summary["shards_extracted"] == 3
+    assert summary["reextraction_s"] == round(sum(r["seconds"] for r in rows), 3)
+    assert summary["peak_shard_bytes"] == max(r["peak_bytes"] for r in rows)
 
 
 def test_the_refusal_for_lack_of_disk_names_the_budget(tmp_path, tiny_llama, monkeypatch):

@@ -340,7 +340,8 @@ def produce(args, batches, meta: dict, N: int, L: int, H: int, shard_dir: Path) 
     """The producer of a training under a disk budget: the occurrences its schedule lists (train
     batches of a pass), in order, each when the occurrences on disk leave room for it within the
     budget's train share; intact ones (a rerun after a kill) are reused, damaged ones rebuilt. Each
-    one made is recorded (seconds, shard bytes on disk after it) in the schedule's stats file."""
+    one made is recorded (seconds, shard bytes on disk after it) in the schedule's stats file, and
+    so is the load of the target (model_load_s), made before the first shard that needs it."""
     schedule = read_json_object(Path(args.schedule), "schedule", SystemExit)
     ppid = os.getppid()
     budget = int(schedule["budget_bytes"])
@@ -358,6 +359,11 @@ def produce(args, batches, meta: dict, N: int, L: int, H: int, shard_dir: Path) 
     backend = pool = None
     made = reused = 0
     stats = open(schedule["stats"], "a")
+
+    def record(entry: dict) -> None:  # flushed: a kill of this producer must not lose what it did
+        stats.write(json.dumps(entry) + "\n")
+        stats.flush()
+
     log(f"producer: {len(occurrences)} train shard(s) to provide within {human_bytes(budget)}")
     try:
         for e, b, last in occurrences:
@@ -388,16 +394,18 @@ def produce(args, batches, meta: dict, N: int, L: int, H: int, shard_dir: Path) 
                                                       L * H * dtype_bytes)
                     staging = disk_budget.staging_dir(args.staging_dir, args.replica, shard_dir, staged)
                 backend = load_backend(args, meta["layer_ids"], N, staging)
-                log(f"producer: {args.backend} backend loaded in {time.perf_counter() - t0:.1f}s")
+                load_s = time.perf_counter() - t0
+                # recorded at once: a producer killed before its first shard has loaded the target all the same
+                record({"model_load_s": round(load_s, 2)})
+                log(f"producer: {args.backend} backend loaded in {load_s:.1f}s")
                 t0 = time.perf_counter()
             extract(backend, pool, writers, [("train", b, batch)], shard_dir, meta, args.storage_dtype, L, H,
                     name=lambda split, batch, e=e: shard_budget.occurrence_name(e, batch))
             seconds = time.perf_counter() - t0
             eval_bytes = sum(p.stat().st_size for p in shard_dir.glob("eval-*.safetensors"))
             peak = eval_bytes + shard_budget.occurrence_bytes(shard_dir)
-            stats.write(json.dumps({"epoch": e, "batch": b, "seconds": round(seconds, 3), "waited_s": round(waited, 3),
-                                    "peak_bytes": peak}) + "\n")
-            stats.flush()
+            record({"epoch": e, "batch": b, "seconds": round(seconds, 3), "waited_s": round(waited, 3),
+                    "peak_bytes": peak})
             made += 1
     finally:
         stats.close()

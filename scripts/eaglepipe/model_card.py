@@ -8,9 +8,9 @@ when the run used them, the engine arguments the serving benchmark measured with
 the benchmark timed (else the export's K), beside the acceptance of the lower K derived from it.
 
 It also lists every start of the target as an engine the run made (regeneration, extraction per
-replica, the serving benchmark's engines, parity extraction), with its seconds as each stage
-recorded it: at Kimi-K2.5's size one costs ~20 minutes of 8 GPUs. The same list is the run's
-summary (``--run-summary``, JSON).
+replica, the extractor a training through a disk budget starts, the serving benchmark's engines,
+parity extraction), with its seconds as each stage recorded it: at Kimi-K2.5's size one costs ~20
+minutes of 8 GPUs. The same list is the run's summary (``--run-summary``, JSON).
 
     python -m eaglepipe.model_card --draft-config results/run/draft/config.json \
         --summary results/run/train/summary.json --which best --data-stats results/run/data/stats.json \
@@ -75,16 +75,18 @@ def unservable(target_model: str) -> str | None:
     return eagle3_target_error(json.loads(path.read_text()).get("architectures")) if path else None
 
 
-def target_loads(regeneration: list[dict], manifest: dict | None, serving: dict | None,
+def target_loads(regeneration: list[dict], manifest: dict | None, disk_budget: dict | None, serving: dict | None,
                  parity: dict | None) -> list[dict]:
     """Every engine start of the target in the run, in pipeline order: {"stage", "seconds"}.
 
     ``regeneration``: the regeneration stats (one load may have answered two sets: its ``engine``
     record names both outputs, and is counted once); ``manifest``: the gathered extraction manifest
-    (one load per replica); ``serving``: serving.json (its ``engines``: the target alone, then one
-    per timed K); ``parity``: the parity extraction's part manifest. A stage that reused all of its
-    work loaded nothing (an extraction's model_load_s is 0 then) and has no row; regeneration stats
-    written before loads were recorded give seconds None."""
+    (one load per replica); ``disk_budget``: train/summary.json's record of a training through a disk
+    budget (its extractor's loads: one per training job that had a shard to make, so again after a
+    kill); ``serving``: serving.json (its ``engines``: the target alone, then one per timed K);
+    ``parity``: the parity extraction's part manifest. A stage that reused all of its work loaded
+    nothing (an extraction's model_load_s is 0 then) and has no row; regeneration stats written
+    before loads were recorded give seconds None."""
     loads, seen = [], set()
     for stats in regeneration:
         engine = stats.get("engine") or {"answered": [stats.get("output", "?")], "load_s": None}
@@ -101,6 +103,11 @@ def target_loads(regeneration: list[dict], manifest: dict | None, serving: dict 
                 loads.append({"stage": "extract_hidden_states" + (f" (replica {r['replica']} of {len(replicas)})"
                                                                   if len(replicas) > 1 else ""),
                               "seconds": r["model_load_s"]})
+    budget_loads = [s for s in (disk_budget or {}).get("model_loads_s", []) if s]
+    for i, s in enumerate(budget_loads, 1):
+        loads.append({"stage": "train_draft (disk budget extraction"
+                               + (f", load {i} of {len(budget_loads)})" if len(budget_loads) > 1 else ")"),
+                      "seconds": s})
     for e in (serving or {}).get("engines", []):
         loads.append({"stage": "benchmark_serving: " + ("target alone" if e.get("k") is None else f"K={e['k']}"),
                       "seconds": e.get("load_s")})
@@ -286,7 +293,8 @@ def main(argv: list[str] | None = None) -> None:
 
         loads = target_loads([read_json_object(Path(f), "regeneration stats", CardError)
                               for f in args.regeneration_stats],
-                             optional(args.manifest, "extraction manifest"), inputs.get("serving"),
+                             optional(args.manifest, "extraction manifest"),
+                             inputs["summary"].get("disk_budget"), inputs.get("serving"),
                              optional(args.parity_manifest, "parity extraction manifest"))
         text = card(inputs["config"], inputs["summary"], args.which, stats, inputs["offline"],
                     inputs.get("serving"), Path(args.draft_config).parent, args.tensor_parallel_size,

@@ -404,14 +404,17 @@ class Budget:
 
     # ---------------------------------------------------------------- summary
     def summary(self, rows_per_epoch: int, train_tokens: int, window: int, configured_window: int | None) -> dict:
-        extracted = []
+        records = []
         stats = self.dir / EXTRACTED
         if stats.is_file():
             for line in stats.read_text().splitlines():
                 try:
-                    extracted.append(json.loads(line))
+                    records.append(json.loads(line))
                 except json.JSONDecodeError:  # a line cut by a kill
                     continue
+        # the producer records each shard it made and each load of the target (once per producer
+        # that had a shard to make: again after a kill)
+        extracted = [r for r in records if "batch" in r]
         times = Counter(int(c) for c in self.counts.tolist())
         return {
             "budget_bytes": self.record["bytes"],
@@ -431,4 +434,5 @@ class Budget:
             "shards_extracted": len(extracted),
             "reextraction_s": round(sum(r.get("seconds", 0.0) for r in extracted), 3),
             "peak_shard_bytes": max((r.get("peak_bytes", 0) for r in extracted), default=self.record["eval_bytes"]),
+            "model_loads_s": [r["model_load_s"] for r in records if "model_load_s" in r],
         }

@@ -127,6 +127,13 @@ def test_the_budget_bounds_the_shards_and_trains_the_same_draft(runs):
     assert all(r.get("deferred") for r in manifest(budgeted)["splits"]["train"]["shards"])
     card = (budgeted / RUN / "draft/README.md").read_text()
     assert "disk budget" in card
+    # the extractor loaded the target in each of the three training jobs (two of them killed); the
+    # extraction reused its eval shards (no load): those are all of the run's target loads
+    assert len(b["model_loads_s"]) == 3 and all(s > 0 for s in b["model_loads_s"]), b
+    stages = [f"train_draft (disk budget extraction, load {i} of 3)" for i in (1, 2, 3)]
+    loads = json.loads((budgeted / RUN / "summary.json").read_text())["target_loads"]["loads"]
+    assert loads == [{"stage": st, "seconds": s} for st, s in zip(stages, b["model_loads_s"])], loads
+    assert all(f"| {st} |" in card for st in stages), card
 
 
 def test_kills_of_the_training_and_of_its_extractor_resume(runs):
