@@ -1,11 +1,14 @@
 """plots: report SVGs from metrics, data stats and the manifest; tolerant of missing optional keys."""
 
+import io
 import json
 import xml.etree.ElementTree as ET
 
+import matplotlib.pyplot as plt
 import pytest
 
 from eaglepipe import plots
+from eaglepipe.serving_sweep import derived_points, merge_windows, set_indices, sweep_rows
 from eaglepipe.shards import write_manifest
 
 
@@ -154,3 +157,91 @@ def test_cli_needs_a_complete_group(tmp_path, capsys):
     with pytest.raises(SystemExit):
         plots.main([])
     assert "give the training/data flags, the serving flags, or both" in capsys.readouterr().err
+
+
+def two_set_serving() -> dict:
+    """serving.json's points as benchmark_serving builds them when evaluate.prompts lists two sets:
+    one window per set at each point (merge_windows), K=3 timed, K=1 and 2 derived."""
+    indices = set_indices(["mtbench", "humaneval", "humaneval"])
+
+    def window(seconds, output_tokens, counters):
+        return {"seconds": seconds, "output_tokens": output_tokens, "tpot_s": [0.01], "counters": counters,
+                "finished": [{"id": "r", "prompt": 0, "tokens": [1]}]}
+
+    mt = {"drafts": 10, "draft_tokens": 30, "accepted_tokens": 12, "accepted_per_pos": [6, 4, 2]}
+    he = {"drafts": 20, "draft_tokens": 60, "accepted_tokens": 39, "accepted_per_pos": [18, 12, 9]}
+    baseline = {"k": None, "points": {str(c): merge_windows(
+        {"mtbench": window(2.0, 196 * c, None), "humaneval": window(2.0, 202 * c, None)}, indices) for c in (1, 4)}}
+    k3 = {"k": 3, "points": {str(c): merge_windows(
+        {"mtbench": window(2.0, 300 * c, mt), "humaneval": window(2.0, 420 * c, he)}, indices) for c in (1, 4)}}
+    rows = sweep_rows(baseline, {3: k3})
+    return {"points": rows, "derived_points": derived_points(rows), "recommended": {"k": 3},
+            "prompt_sets": {"mtbench": 80, "humaneval": 164}}
+
+
+def legend_labels(ax):
+    return [t.get_text() for t in ax.get_legend().get_texts()]
+
+
+def lines_by_label(ax):
+    return {line.get_label(): line for line in ax.get_lines()}
+
+
+def test_serving_figure_shows_each_prompt_set_beside_the_merged_point(tmp_path):
+    serving = two_set_serving()
+    fig = plots.serving_figure(serving)
+    ax_speedup, ax_al, _ = fig.axes
+    per_k = ["K=3, all sets", "K=3, mtbench", "K=3, humaneval"]
+    assert legend_labels(ax_speedup) == per_k
+    speedup = lines_by_label(ax_speedup)
+    assert list(speedup["K=3, all sets"].get_ydata()) == [1.809, 1.809]  # (300 + 420) / (196 + 202), as recorded
+    # a set's speedup: its window's tokens/s over the target alone's window of the same set
+    assert speedup["K=3, mtbench"].get_ydata() == pytest.approx([300 / 196] * 2)
+    assert speedup["K=3, humaneval"].get_ydata() == pytest.approx([420 / 202] * 2)
+    assert list(speedup["K=3, humaneval"].get_xdata()) == [1, 4]
+    assert {line.get_color() for label, line in speedup.items() if label in per_k} == {"C0"}  # one colour per K
+    assert len({speedup[label].get_linestyle() for label in per_k}) == 3
+
+    derived = ["K=1, derived from K=3, not timed", "K=2, derived from K=3, not timed"]
+    assert legend_labels(ax_al) == per_k + derived
+    al = lines_by_label(ax_al)
+    assert list(al["K=3, all sets"].get_ydata()) == [2.7, 2.7]  # 1 + 51 / 30
+    assert list(al["K=3, mtbench"].get_ydata()) == [2.2, 2.2]
+    assert list(al["K=3, humaneval"].get_ydata()) == [2.95, 2.95]
+    assert list(al[derived[0]].get_ydata()) == [1.8, 1.8]  # 1 + 24 / 30, the merged counts
+    # derived K stay marked: hollow markers, never filled as a timed point's
+    assert {al[label].get_markerfacecolor() for label in derived} == {"none"}
+    assert al["K=3, mtbench"].get_markerfacecolor() != "none"
+    assert "mtbench (80 prompts), humaneval (164 prompts)" in fig.get_suptitle()
+    assert "all sets together" in fig.axes[2].get_title()
+
+    path = tmp_path / "serving.json"
+    path.write_text(json.dumps(serving))
+    out = tmp_path / "serving.svg"
+    plots.main([f"--serving={path}", f"--serving-out={out}"])
+    text = svg_texts(out)
+    for label in per_k + derived:
+        assert label in text
+    assert "1 (derived from 3)" in text  # the table's derived rows as before
+
+
+def svg_of(serving) -> str:
+    """The serving figure's SVG with matplotlib's date and ids fixed, to compare two figures."""
+    buf = io.StringIO()
+    with plt.rc_context({"svg.hashsalt": "test"}):
+        fig = plots.serving_figure(serving)
+        fig.savefig(buf, format="svg", metadata={"Date": None})
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def test_serving_figure_of_one_prompt_set_is_the_merged_figure():
+    serving = two_set_serving()
+    for p in serving["points"]:
+        p["by_prompt_set"] = {"mtbench": p["by_prompt_set"]["mtbench"]}
+    plain = {**serving, "points": [{k: v for k, v in p.items() if k != "by_prompt_set"} for p in serving["points"]]}
+    assert svg_of(serving) == svg_of(plain)
+    fig = plots.serving_figure(serving)
+    assert len(fig.axes) == 2 and not fig.get_suptitle()
+    assert legend_labels(fig.axes[0]) == ["K=3"]
+    assert "all sets" not in svg_of(serving) and "mtbench" not in svg_of(serving)

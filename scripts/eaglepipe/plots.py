@@ -13,6 +13,7 @@ panel (and said so in it), never an error. Malformed metrics lines are skipped, 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import re
 from pathlib import Path
@@ -195,25 +196,116 @@ def data_figure(stats: dict, manifest: dict) -> Figure:
     return fig
 
 
+# Per prompt set: one marker and dash per set beside the merged point's circles and solid line, in
+# its K's colour; a derived K's acceptance: hollow markers (no engine of its own, not timed).
+MERGED_STYLE = {"marker": "o", "ls": "-"}
+SET_STYLES = [{"marker": "s", "ls": "--"}, {"marker": "^", "ls": "-."}, {"marker": "D", "ls": (0, (5, 1, 1, 1, 1, 1))},
+              {"marker": "v", "ls": (0, (8, 2))}]
+DERIVED_STYLE = {"marker": "o", "ls": ":", "mfc": "none"}
+
+
+def serving_prompt_sets(points: list[dict]) -> list[str]:
+    """The fixed evaluation sets the points were timed one window each for (``by_prompt_set``), in
+    their recorded order; none for a single set, whose one window is the merged point itself."""
+    names = list(dict.fromkeys(name for p in points for name in p.get("by_prompt_set") or {}))
+    return names if len(names) > 1 else []
+
+
+def prompt_set_points(points: list[dict], sets: list[str]) -> list[dict]:
+    """One row per speculative point and set: the set's acceptance length and its speedup, the set's
+    window's tokens/s over the target alone's window of the same set at the same concurrency
+    (serving.json records the speedup of the merged point only)."""
+    baseline = {p["concurrency"]: p.get("by_prompt_set") or {} for p in points if p.get("k") is None}
+    rows = []
+    for p in points:
+        if p.get("k") is None:
+            continue
+        for name in sets:
+            timed = (p.get("by_prompt_set") or {}).get(name) or {}
+            tokens_per_s = timed.get("output_tokens_per_s")
+            base = (baseline.get(p["concurrency"], {}).get(name) or {}).get("output_tokens_per_s")
+            rows.append({"k": p["k"], "concurrency": p["concurrency"], "prompt_set": name,
+                         "acceptance_length": timed.get("acceptance_length"),
+                         "speedup": tokens_per_s / base if _num(tokens_per_s) and _num(base) and base else None})
+    return rows
+
+
+def timed_series(ks: list[int], points: list[dict], sets: list[str], set_points: list[dict],
+                 colors: dict) -> list[tuple[list[dict], dict]]:
+    """(rows, line style and label) of each timed K's merged points, then of each set's."""
+    out = []
+    for k in ks:
+        out.append(([p for p in points if p.get("k") == k],
+                    {"color": colors[k], "label": f"K={k}, all sets" if sets else f"K={k}", **MERGED_STYLE}))
+        out += [([r for r in set_points if r["k"] == k and r["prompt_set"] == name],
+                 {"color": colors[k], "label": f"K={k}, {name}", **style})
+                for name, style in zip(sets, itertools.cycle(SET_STYLES))]
+    return out
+
+
+def by_concurrency_line(ax, rows: list[dict], key: str, **style) -> None:
+    pts = sorted((r["concurrency"], r[key]) for r in rows if _num(r.get(key)))
+    ax.plot([c for c, _ in pts], [v for _, v in pts], ms=4, **style)
+
+
+def acceptance_panel(ax, series: list[tuple[list[dict], dict]], derived: list[dict], colors: dict,
+                     legend_title: str) -> None:
+    """vLLM's acceptance length against concurrency: the timed K's series, then each derived K's
+    (merged only: derived_points come from the merged window's counts)."""
+    for rows, style in series:
+        by_concurrency_line(ax, rows, "acceptance_length", **style)
+    for k in sorted({p["k"] for p in derived}):
+        rows = [p for p in derived if p["k"] == k]
+        by_concurrency_line(ax, rows, "acceptance_length", color=colors[k], **DERIVED_STYLE,
+                            label=f"K={k}, derived from K={rows[0].get('derived_from_k', '?')}, not timed")
+    if ax.lines:
+        ax.axhline(1.0, color="grey", lw=0.8, ls=":")
+        ax.set_xscale("log", base=2)
+        ax.legend(title=legend_title)
+    else:
+        _empty(ax, "acceptance length")
+    ax.set(title="Acceptance length in vLLM (bonus token counted)", xlabel="requests in flight",
+           ylabel="tokens per target step")
+
+
 def serving_figure(serving: dict) -> Figure:
-    """Speedup against concurrency, one line per K, and the table of every point."""
+    """Speedup against concurrency, one line per K, and the table of every point; with several
+    prompt sets, each set's own line beside each K's merged one, and acceptance length in a panel
+    of its own (derived K included, marked)."""
     points = serving.get("points", [])
     ks = sorted({p["k"] for p in points if p.get("k") is not None})
-    fig, (ax, ax_table) = plt.subplots(1, 2, figsize=(15, 4.8), layout="constrained",
-                                       gridspec_kw={"width_ratios": [1, 1.5]})
-    for k in ks:
-        pts = sorted((p["concurrency"], p["speedup"]) for p in points if p.get("k") == k and _num(p.get("speedup")))
-        ax.plot([c for c, _ in pts], [s for _, s in pts], "o-", ms=4, label=f"K={k}")
+    # derived K: acceptance only, from the largest timed K's per-position counts (no engine of their own)
+    derived = [p for p in serving.get("derived_points", []) if _num(p.get("acceptance_length"))]
+    derived_ks = sorted({p["k"] for p in derived} - set(ks))
+    # the timed K first: they keep C0, C1, ... whether derived K are drawn or not
+    colors = {k: f"C{i}" for i, k in enumerate(ks + derived_ks)}
+    sets = serving_prompt_sets(points)
+    if sets:
+        fig, (ax, ax_al, ax_table) = plt.subplots(1, 3, figsize=(22, 4.8), layout="constrained",
+                                                  gridspec_kw={"width_ratios": [1, 1, 1.5]})
+    else:
+        fig, (ax, ax_table) = plt.subplots(1, 2, figsize=(15, 4.8), layout="constrained",
+                                           gridspec_kw={"width_ratios": [1, 1.5]})
+    series = timed_series(ks, points, sets, prompt_set_points(points, sets), colors)
+    for rows, style in series:
+        by_concurrency_line(ax, rows, "speedup", **style)
+    legend_title = "draft tokens, prompt set" if sets else "draft tokens"
     if ks:
         ax.axhline(1.0, color="grey", lw=0.8, ls=":")
         ax.set_xscale("log", base=2)
-        ax.legend(title="draft tokens")
+        ax.legend(title=legend_title)
     else:
         _empty(ax, "speculative point")
     best = serving.get("recommended", {})
     ax.set(title="Speedup of target + draft over the target alone"
            + (f" (recommended K={best['k']}, among the timed K)" if "k" in best else ""),
            xlabel="requests in flight", ylabel="output tokens/s ratio")
+    if sets:
+        acceptance_panel(ax_al, series, derived, colors, legend_title)
+        counts = serving.get("prompt_sets") or {}
+        fig.suptitle("One timed window per prompt set at each point: "
+                     + ", ".join(f"{name} ({counts[name]} prompts)" if name in counts else name for name in sets)
+                     + "; a set's speedup is over the target alone on the same set")
 
     ax_table.axis("off")
     header = ["K", "conc.", "tok/s", "TPOT ms", "speedup", "AL", "identical"]
@@ -223,8 +315,6 @@ def serving_figure(serving: dict) -> Figure:
               f"{p['acceptance_length']:.2f}" if _num(p.get("acceptance_length")) else "-",
               f"{p['identical_outputs_fraction']:.0%}" if _num(p.get("identical_outputs_fraction")) else "-"]
              for p in points]
-    # derived K: acceptance only, from the largest timed K's per-position counts (no engine of their own)
-    derived = [p for p in serving.get("derived_points", []) if _num(p.get("acceptance_length"))]
     cells += [[f"{p['k']} (derived from {p.get('derived_from_k', '?')})", str(p["concurrency"]), "-", "-", "-",
                f"{p['acceptance_length']:.2f}", "-"] for p in derived]
     if cells:
@@ -233,7 +323,7 @@ def serving_figure(serving: dict) -> Figure:
         table.set_fontsize(7)
     else:
         _empty(ax_table, "serving point")
-    ax_table.set_title("Every point (K - = the target alone)"
+    ax_table.set_title("Every point (K - = the target alone" + ("; all sets together)" if sets else ")")
                        + ("; derived K: acceptance only, not timed" if derived else ""))
     return fig
 
