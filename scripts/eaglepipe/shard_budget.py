@@ -21,8 +21,9 @@ Design:
   removed, intact ones reused (verified as extraction verifies shards, damaged ones rebuilt), only
   what rows from there on need is extracted. The producer dies with the trainer (PDEATHSIG and a
   parent check); a dead producer stops the trainer with one sentence; the trained-sample counts
-  and the extraction records are part of every checkpoint, so a resumed run's summary, curve and
-  draft equal an uninterrupted run's (but for timings).
+  are part of every checkpoint, so a resumed run's curve and draft equal an uninterrupted run's.
+  The extraction records (train/budget/extracted.jsonl) are kept across resumes: the summary's
+  re-extraction seconds, shards made and target loads count what killed jobs made too.
 - Refused before any step: a budget that cannot hold what must be on disk at once (the shards of
   the rows in flight: the prefetch depth, the world size, rows that span shards).
 """
