@@ -298,7 +298,7 @@ def serving_figure(serving: dict) -> Figure:
         _empty(ax, "speculative point")
     best = serving.get("recommended", {})
     ax.set(title="Speedup of target + draft over the target alone"
-           + (f" (recommended K={best['k']}, among the timed K)" if "k" in best else ""),
+           + (f"\n(recommended K={best['k']}, among the timed K)" if "k" in best else ""),  # one line is cut off
            xlabel="requests in flight", ylabel="output tokens/s ratio")
     if sets:
         acceptance_panel(ax_al, series, derived, colors, legend_title)
