@@ -25,7 +25,7 @@
 #       them out once saved)
 #   bash benchmarks/gpu_data_curve.sh args SIZE    the snakemake --config words of a size (any host)
 # Each step is timed in RUN_DIR/results/data_curve_steps.tsv; a size's Snakemake output is in
-# results/size-RUN.log. If a size's training fails under the disk budget (its vLLM extractor beside
+# results/size-RUN.log. If a size's extraction or training fails under the disk budget (its vLLM extractor beside
 # the trainer has not run on a GPU before this chain), that size and the later ones run without the
 # budget (the step size-RUN-nobudget), so the curve still comes back, every size in one regime.
 set -uo pipefail
@@ -116,9 +116,10 @@ run_size() {
   run=$(run_of "$size")
   if [ -z "${NO_BUDGET:-}" ]; then
     step "size-$run" snakemake_size "$size"
-    if [ ! -f "results/$run/train/summary.json" ] && grep -q "Error in rule train_draft" "results/size-$run.log"; then
-      echo "budget fallback: $run's training failed under extract.disk_budget_gib (results/size-$run.log," \
-        "results/$run/logs/train_draft.log); it and the later sizes run without the budget"
+    if [ ! -f "results/$run/train/summary.json" ] \
+       && grep -q -E "Error in rule (train_draft|extract_hidden_states):" "results/size-$run.log"; then
+      echo "budget fallback: $run's extraction or training failed under extract.disk_budget_gib" \
+        "(results/size-$run.log, results/$run/logs/); it and the later sizes run without the budget"
       NO_BUDGET=1
     fi
   fi
