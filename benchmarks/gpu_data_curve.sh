@@ -37,7 +37,7 @@ LOG=results/data_curve.log
 STEPS=results/data_curve_steps.tsv
 PIDFILE=results/data_curve.pid
 # (CURVE_PRESET, CURVE_OVERLAY and CURVE_SIZES replace them only for the CPU rehearsal of the chain,
-# tests/e2e/test_data_curve.py)
+# tests/e2e/test_data_curve_chain.py)
 PRESET=${CURVE_PRESET:-config/presets/smollm2-h200.yaml}
 OVERLAY=${CURVE_OVERLAY:-benchmarks/data_curve.yaml}
 FULL=curve-all            # the overlay's run_name: every record; its regeneration is the one made

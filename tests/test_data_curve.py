@@ -1,7 +1,7 @@
 """Issue 45's data-scale curve on CPU: the plan of every size of benchmarks/gpu_data_curve.sh on the
 SmolLM2 preset + benchmarks/data_curve.yaml (`snakemake -n`), the regeneration step's plan, and the
 helpers of benchmarks/data_curve.py (the parts a smaller run is given, the curve and its stopping
-rule). The chain itself, rehearsed on the tiny target: tests/e2e/test_data_curve.py."""
+rule). The chain itself, rehearsed on the tiny target: tests/e2e/test_data_curve_chain.py."""
 
 from __future__ import annotations
 
@@ -134,7 +134,7 @@ def test_the_regeneration_step_plans_only_the_full_runs_regeneration_with_the_pr
         tmp_path, full_regeneration):
     """The chain's first GPU step: the full run's regeneration alone, its engine sized by profiling as
     in the preset (no budget there to ask for a fixed cache). How an engine uses the GPU is a
-    resource, not a param, so the size run after it does not regenerate (tests/e2e/test_data_curve.py)."""
+    resource, not a param, so the size run after it does not regenerate (tests/e2e/test_data_curve_chain.py)."""
     ws = copy_workflow(tmp_path)
     text = SCRIPT.read_text()
     body = text[text.index("regenerate() {"):]
