@@ -67,6 +67,14 @@ def test_the_sizes_are_whole_parts_of_the_regeneration_and_about_the_same_passes
     assert subprocess.run(["bash", str(SCRIPT), "args", "3000"], capture_output=True).returncode != 0
 
 
+def test_start_refuses_an_unknown_size_and_a_curve_without_parts_before_anything(tmp_path):
+    env = {"RUN_DIR": str(tmp_path / "run"), "STAGE_DIR": str(tmp_path / "stage"), "PATH": "/usr/bin:/bin"}
+    for args, said in ((["start", "3000"], "no size '3000'"), (["start", "curve", "all"], "no regen.tgz.*")):
+        p = subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, env=env)
+        assert p.returncode == 2 and said in p.stdout + p.stderr, p.stdout + p.stderr
+    assert not (tmp_path / "run").exists()  # nothing copied, nothing set up
+
+
 def command(block: str) -> str:
     return block.split("Shell command: ")[1].split(" > ")[0]
 
