@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 import tiny
-from workflow import REPO, copy_workflow, dry_run, refused, snakemake
+from workflow import REPO, copy_workflow, dry_run, planned_target_loads, refused, snakemake
 
 
 def test_kimi_preset_dry_run_plans_one_tp8_vllm_job(tmp_path):
@@ -189,26 +189,6 @@ def test_h200_preset_dry_run_plans_every_stage_on_one_gpu(tmp_path):
         assert flag in train, (flag, train)
     assert "VLLM_CACHE_ROOT=results/smollm2-h200/vllm-cache " in block("benchmark_serving")
     assert "--draft-vocab-size 16384" in block("vocab_mapping")
-
-
-# the stages that start the target as an engine (vLLM, or transformers with the hf backends), by module
-LOADING_STAGES = ("regenerate_responses", "extract_hidden_states", "benchmark_serving")
-
-
-def planned_target_loads(out: str) -> list[tuple[str, str]]:
-    """(rule, what) of every target load the jobs of a `snakemake -n -p` would make: one per job of a
-    loading stage, and benchmark_serving's one per engine (the target alone, then one per timed K)."""
-    loads = []
-    for rule, command in re.findall(r"\nrule (\w+):.*?\nShell command: (.*?)\n", out, re.S):
-        module = re.search(r"eaglepipe\.(\w+) ", command)
-        if not module or module.group(1) not in LOADING_STAGES:
-            continue
-        if module.group(1) != "benchmark_serving":
-            loads.append((rule, "eval prompts + chats" if "--eval-data" in command else ""))
-            continue
-        words = shlex.split(command.split("exec python -m ")[1])
-        loads += [(rule, "target alone")] + [(rule, f"K={k}") for k in words[words.index("--k") + 1].split(",")]
-    return loads
 
 
 @pytest.mark.parametrize("extra", [[], ["benchmarks/kimi_rehearsal.yaml"]], ids=["preset", "rehearsal"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -89,6 +90,26 @@ def dry_run(ws: Path, *args: str) -> tuple[dict[str, int], dict[str, set[str]], 
             elif current and line.startswith("        "):
                 reasons[current] = {x.strip() for x in line.split(",") if x.strip()}
     return jobs, reasons, out
+
+
+# the stages that start the target as an engine (vLLM, or transformers with the hf backends), by module
+LOADING_STAGES = ("regenerate_responses", "extract_hidden_states", "benchmark_serving")
+
+
+def planned_target_loads(out: str) -> list[tuple[str, str]]:
+    """(rule, what) of every target load the jobs of a `snakemake -n -p` would make: one per job of a
+    loading stage, and benchmark_serving's one per engine (the target alone, then one per timed K)."""
+    loads = []
+    for rule, command in re.findall(r"\nrule (\w+):.*?\nShell command: (.*?)\n", out, re.S):
+        module = re.search(r"eaglepipe\.(\w+) ", command)
+        if not module or module.group(1) not in LOADING_STAGES:
+            continue
+        if module.group(1) != "benchmark_serving":
+            loads.append((rule, "eval prompts + chats" if "--eval-data" in command else ""))
+            continue
+        words = shlex.split(command.split("exec python -m ")[1])
+        loads += [(rule, "target alone")] + [(rule, f"K={k}") for k in words[words.index("--k") + 1].split(",")]
+    return loads
 
 
 def refused(ws: Path, *args: str) -> str:
