@@ -753,3 +753,31 @@ def test_a_second_set_needs_all_its_paths_and_sane_sampling(tmp_path, tiny_llama
     p = subprocess.run([*with_eval_set(tmp_path, cli(tmp_path, tiny_llama, data), data), "--eval-top-p", "0"],
                        capture_output=True, text=True, env=env)
     assert p.returncode == 2 and "argument --eval-top-p: 0.0: must be > 0" in p.stderr, p.stderr
+
+
+def test_a_run_whose_parts_are_all_on_disk_starts_no_engine(tmp_path, tiny_llama):
+    """The engine starts at the first request: reusing every part of both sets loads nothing (a load of
+    the real target is ~20 minutes), and the stats and the card say no load happened."""
+    from eaglepipe.model_card import target_loads
+
+    data = tiny.make_chats(tmp_path / "chats.jsonl", n=4)
+    prompts = tiny.make_chats(tmp_path / "prompts.jsonl", n=2)
+    args = with_eval_set(tmp_path, cli(tmp_path, tiny_llama, data, "run", ["--batch-size", "2"]), prompts)
+    run_cli(args)
+    out = tmp_path / "run"
+    first = {n: json.loads((out / n).read_text()) for n in ("stats.json", "eval_stats.json")}
+    assert first["stats.json"]["engine"]["load_s"] > 0
+    chats = (out / "chats.jsonl").read_bytes()
+
+    env = {**os.environ, "PYTHONPATH": str(REPO / "scripts"), "OMP_NUM_THREADS": "1"}
+    p = subprocess.run(args, capture_output=True, text=True, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "engine loaded" not in p.stderr
+    again = {n: json.loads((out / n).read_text()) for n in ("stats.json", "eval_stats.json")}
+    for name, stats in again.items():
+        assert stats["engine"]["load_s"] == 0 and stats["run"]["parts_written"] == 0, name
+        assert stats["run"]["generated_tokens"] == 0
+    assert (out / "chats.jsonl").read_bytes() == chats
+    assert target_loads(list(again.values()), None, None, None, None) == []
+    assert [row["stage"] for row in target_loads(list(first.values()), None, None, None, None)] == [
+        "regeneration: eval + chats"]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import gc
 import inspect
+import time
 from functools import partial
 from typing import NamedTuple
 
@@ -70,8 +71,8 @@ class HFGenerator:
         from transformers import AutoModelForCausalLM
 
         self.device = torch.device(device)
-        compute = torch.float32 if self.device.type == "cpu" else getattr(torch, dtype)
-        self.precision = str(compute).removeprefix("torch.")  # what the answers are computed in
+        self.precision = self.compute_precision(device, dtype)  # what the answers are computed in
+        compute = getattr(torch, self.precision)
         self.model = AutoModelForCausalLM.from_pretrained(
             model, revision=revision, trust_remote_code=trust_remote_code, dtype=compute).to(self.device).eval()
         # only the last position's logits when the model can skip the others (a prompt's [T, vocab] is large)
@@ -79,6 +80,11 @@ class HFGenerator:
                                  if "logits_to_keep" in inspect.signature(self.model.forward).parameters else {})
         self.sampling, self.batch_size = sampling, batch_size
         self.queue: list[tuple[str, list[int], int]] = []
+
+    @staticmethod
+    def compute_precision(device: str, dtype: str) -> str:
+        """The dtype the answers are computed in: float32 on CPU (its bf16 matmuls are slow), else ``dtype``."""
+        return "float32" if torch.device(device).type == "cpu" else dtype
 
     def submit(self, request_id: str, prompt_ids: list[int], seed: int) -> None:
         self.queue.append((request_id, prompt_ids, seed))
@@ -190,3 +196,41 @@ class VLLMGenerator:
     def close(self) -> None:
         del self.engine, self.llm
         gc.collect()
+
+
+class LazyGenerator:
+    """A generator whose engine starts at the first request: a run whose answers are all on disk
+    (reused parts) loads nothing, where one start of the real target at TP=8 takes ~20 minutes.
+    ``precision`` and ``lookahead`` are known before the load (they key and pace the parts)."""
+
+    def __init__(self, load, sampling: Sampling, precision: str, lookahead: int, announce=None):
+        self._load, self._sampling, self._announce = load, sampling, announce
+        self.precision, self.lookahead = precision, lookahead
+        self.engine = None
+        self.load_s = 0.0  # 0: never loaded (as an extraction that reused every shard records it)
+
+    @property
+    def sampling(self) -> Sampling:
+        return self._sampling
+
+    @sampling.setter
+    def sampling(self, sampling: Sampling) -> None:
+        self._sampling = sampling
+        if self.engine is not None:
+            self.engine.sampling = sampling
+
+    def submit(self, request_id: str, prompt_ids: list[int], seed: int) -> None:
+        if self.engine is None:
+            t0 = time.perf_counter()
+            self.engine = self._load(self._sampling)
+            self.load_s = round(time.perf_counter() - t0, 2)
+            if self._announce:
+                self._announce(self.load_s)
+        self.engine.submit(request_id, prompt_ids, seed)
+
+    def step(self) -> list[Finished]:
+        return self.engine.step() if self.engine is not None else []
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()

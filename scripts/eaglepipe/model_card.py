@@ -85,13 +85,13 @@ def target_loads(regeneration: list[dict], manifest: dict | None, disk_budget: d
     budget (its extractor's loads: one per training job that had a shard to make, so again after a
     kill); ``serving``: serving.json (its ``engines``: the target alone, then one per timed K);
     ``parity``: the parity extraction's part manifest. A stage that reused all of its work loaded
-    nothing (an extraction's model_load_s is 0 then) and has no row; regeneration stats written
-    before loads were recorded give seconds None."""
+    nothing (an extraction's model_load_s, a regeneration's load_s is 0 then) and has no row;
+    regeneration stats written before loads were recorded give seconds None."""
     loads, seen = [], set()
     for stats in regeneration:
         engine = stats.get("engine") or {"answered": [stats.get("output", "?")], "load_s": None}
         answered = tuple(engine["answered"])
-        if answered not in seen:
+        if answered not in seen and engine["load_s"] != 0:
             seen.add(answered)
             loads.append({"stage": "regeneration: " + " + ".join(Path(a).stem for a in answered),
                           "seconds": engine["load_s"]})

@@ -55,8 +55,9 @@ shared. Each set keeps its own output, stats and parts directory, its parts keye
 settings, so changing one set's sampling regenerates none of the other's parts. A target load
 costs minutes at scale (~20 at Kimi-K2.5's size): rule regenerate_responses answers both sets
 with one load when regeneration is on; rule regenerate_eval_prompts runs the eval set alone
-(through the unprefixed flags) when it is off. Both sets' stats record the load (``engine``:
-backend, seconds, the outputs it answered).
+(through the unprefixed flags) when it is off. The engine starts at the first request, so a run
+whose parts are all on disk loads nothing. Both sets' stats record the load (``engine``: backend,
+seconds, 0 when nothing was loaded, the outputs it answered).
 """
 
 from __future__ import annotations
@@ -64,13 +65,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
+from functools import partial
 from itertools import islice
 from pathlib import Path
 
 from eaglepipe.atomic import remove_stale_temporaries, write_json
 from eaglepipe.config_check import regenerate_contradictions
-from eaglepipe.generation import HFGenerator, Sampling, VLLMGenerator, stop_token_ids
+from eaglepipe.generation import HFGenerator, LazyGenerator, Sampling, VLLMGenerator, stop_token_ids
 from eaglepipe.progress import TokenProgress
 from eaglepipe.regeneration import (Regenerator, Settings, assemble, batched_parts, mode_templates, parse_modes,
                                     prompt_set_ids, read_sets, remove_stale_parts)
@@ -116,8 +117,8 @@ def set_settings(a, generator, templates, stops) -> Settings:
         loop_retries=a.loop_retries)
 
 
-def regenerate(args) -> list[dict]:
-    """Answer every set (answer_sets) with one engine; each set's report, in their order."""
+def regenerate(args) -> None:
+    """Answer every set (answer_sets) with one engine; write each set's stats."""
     from transformers import AutoTokenizer
 
     sets = answer_sets(args)
@@ -127,21 +128,26 @@ def regenerate(args) -> list[dict]:
                                               trust_remote_code=args.trust_remote_code)
     stops = stop_token_ids(tokenizer, args.model, args.revision, args.trust_remote_code)
     templates = mode_templates(tokenizer, args.chat_template, args.modes)
-    t0 = time.perf_counter()
-    generator = make_generator(args, Sampling(sets[0].temperature, sets[0].top_p, sets[0].max_new_tokens, stops))
-    engine = {"backend": args.backend, "load_s": round(time.perf_counter() - t0, 2),
-              "answered": [str(a.out) for a in sets]}
-    print(f"{args.backend} engine loaded in {engine['load_s']}s; it answers {len(sets)} set(s)", file=sys.stderr)
+    generator = LazyGenerator(
+        partial(make_generator, args), Sampling(sets[0].temperature, sets[0].top_p, sets[0].max_new_tokens, stops),
+        precision=args.dtype if args.backend == "vllm" else HFGenerator.compute_precision(args.device, args.dtype),
+        lookahead=VLLMGenerator.lookahead if args.backend == "vllm" else HFGenerator.lookahead,
+        announce=lambda s: print(f"{args.backend} engine loaded in {s}s; it answers {len(sets)} set(s)",
+                                 file=sys.stderr))
     reports = []
     for a in sets:
         # between sets no request is pending: the engines read the sampling at submit / decode time
         generator.sampling = Sampling(a.temperature, a.top_p, a.max_new_tokens, stops)
-        reports.append(regenerate_set(a, generator, templates, stops, engine))
+        reports.append(regenerate_set(a, generator, templates, stops))
     generator.close()
-    return reports
+    # one load (or none: every part reused) for every set, recorded in each set's stats
+    engine = {"backend": args.backend, "load_s": generator.load_s, "answered": [str(a.out) for a in sets]}
+    for a, report in zip(sets, reports):
+        write_json(a.stats, dict(report, engine=engine))
 
 
-def regenerate_set(a, generator, templates, stops, engine: dict) -> dict:
+def regenerate_set(a, generator, templates, stops) -> dict:
+    """Answer one set; its report (the stats file is written once every set is answered)."""
     settings = set_settings(a, generator, templates, stops)
     regen = Regenerator(generator, templates, settings, a.parts_dir)
     items = islice(read_sets(a.data), a.max_samples or None)
@@ -154,11 +160,10 @@ def regenerate_set(a, generator, templates, stops, engine: dict) -> dict:
     if s.get("kept", 0) == 0:
         raise SystemExit(f"{data}: no conversation regenerated out of {s.get('read', 0)} read (skipped: "
                          f"{s.get('skipped_by_reason', {})}; examples: {s.get('skip_examples', {})})")
-    report = {"data": data, "settings": json.loads(settings.key()), **s, "engine": engine}
+    report = {"data": data, "settings": json.loads(settings.key()), **s}
     report["run"] = {"parts_written": regen.written, "parts_reused": regen.reused,
                      "stale_parts_removed": remove_stale_parts(a.parts_dir, {p.file(a.parts_dir) for p in parts}),
                      **{f"generated_{k}": v for k, v in progress.summary().items()}}
-    write_json(a.stats, report)
     print(f"{data}: read {s['read']}, kept {s['kept']}, skipped {s['skipped']} "
           f"({dict(s['skipped_by_reason']) or 'none'}), {s['samples']} samples, by mode "
           f"{ {m: v['answers_kept'] for m, v in s['by_mode'].items()} }", file=sys.stderr)
