@@ -7,8 +7,8 @@
         records, keyed by its records and the answer settings, never by the run, so a run that reads
         a prefix of the data makes the same parts; eaglepipe.regeneration) and every part of the
         fixed evaluation set, hard-linked (copied across file systems) into the run's own parts
-        directories: its regenerate_responses job reuses them and generates nothing (it still
-        starts the engine once). --shards-from also gives it the eval shards of a run that
+        directories: its regenerate_responses job reuses them, generates nothing and starts no
+        engine. --shards-from also gives it the eval shards of a run that
         extracted them (the same fixed set and extraction settings in every size): its extraction
         reuses them all and, under a disk budget, does not start the target.
     python3 benchmarks/data_curve.py curve RUN_DIR... [--steps TSV] [--logs DIR] [--k 3] [--json OUT] [--md OUT]
