@@ -260,7 +260,7 @@ def train_steps(args, out, rows, position, step, world, device, main_rank, model
     """The training loop from ``step`` at data ``position`` to --max-steps."""
     from .acceptance import select_value
 
-    stream = rows.prefetched(args.row_loader, *position, depth=PREFETCH_DEPTH)
+    stream = rows.prefetched(args.row_loader, *position, depth=PREFETCH_DEPTH, steps=args.max_steps - step)
     log_every = max(1, args.max_steps // 200)
     keys = ("hidden_states", "input_ids", "document_ids", "loss_mask", "position_ids", "verifier_last_hidden_states")
     window_tokens, window_start = 0, time.perf_counter()
