@@ -219,15 +219,14 @@ def rows_ahead(world: int, depth: int) -> int:
 
 def choose_window(make_plan, configured: int | None, n_shards: int, budget: int, sizes: list[int],
                   steps: int, world: int, depth: int) -> int:
-    """The widest shuffle window (at most the configured one; None = all shards) whose first two
-    passes' rows fit the budget's train share. SystemExit when not even one shard at a time fits."""
+    """The widest shuffle window (at most the configured one; None = all shards) whose rows, every
+    step's, fit the budget's train share: each pass orders the shards anew, so any pass may need
+    the most, and the training checks them all before it starts (Budget.start). SystemExit when not
+    even one shard at a time fits."""
     ahead = rows_ahead(world, depth)
 
     def fits(w: int) -> tuple[bool, int]:
-        rows_of_epoch = make_plan(w)
-        sched = Schedule(rows_of_epoch, (0, 0), min(steps, 2 * max(1, _steps_per_epoch(rows_of_epoch, world))),
-                         world, sizes)
-        need = sched.peak_bytes(ahead)
+        need = Schedule(make_plan(w), (0, 0), steps, world, sizes).peak_bytes(ahead)
         return need <= budget, need
 
     hi = min(configured or n_shards, n_shards)
@@ -245,10 +244,6 @@ def choose_window(make_plan, configured: int | None, n_shards: int, budget: int,
         else:
             hi = mid - 1
     return lo
-
-
-def _steps_per_epoch(rows_of_epoch, world: int) -> int:
-    return len(list(rows_of_epoch(0))) // world
 
 
 class ShardWaiter:
