@@ -79,7 +79,7 @@ def test_extraction_over_the_budget_writes_only_the_eval_shards_and_the_producer
 
     train_args = Namespace(shuffle_buffer_gib="global", batch_tokens=64, seed=0, max_steps=20)
     with pytest.raises(SystemExit, match="the train share of the budget .* cannot hold .* raise the budget by"):
-        budget_plan(train_args, load_manifest(tmp_path / "hs" / "manifest.json"), 1)
+        budget_plan(train_args, load_manifest(tmp_path / "hs" / "manifest.json"), 1, tmp_path / "train", {})
     # the same settings without the budget: the part's settings (and so the shards' digest) are the same
     plain = tmp_path / "plain.json"
     ehs.main([*common, "--out", str(plain), "--shard-dir", str(tmp_path / "plain")])

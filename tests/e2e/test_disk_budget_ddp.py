@@ -1,13 +1,15 @@
 """Training through a disk budget with 2 processes (torchrun, DDP over gloo on CPU, as rule
 train_draft launches train.gpus > 1), stage by stage without Snakemake: the shards on disk stay
 within the budget plus the one being written, every sample is trained as often as by the same run
-without the budget, the same order gives the same draft, and kill -9 of rank 0 leaves no extractor
-behind and resumes to the uninterrupted run's draft."""
+without the budget, the same order gives the same draft, kill -9 of rank 0 or of every process of
+torchrun leaves no extractor behind and resumes to the uninterrupted run's draft, and a run killed
+with 2 processes resumes with 1."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -147,6 +149,13 @@ def survivors(root: Path) -> list[str]:
         time.sleep(0.1)
 
 
+def keep_checkpoints_up_to(out: Path, step: int) -> None:
+    """As if the run had been killed right after checkpoint ``step``."""
+    for ckpt in (out / "checkpoints").glob("step-*"):
+        if int(ckpt.name.removeprefix("step-")) > step:
+            shutil.rmtree(ckpt)
+
+
 def reference_counts(data, segments: list[tuple[int, int]], window: int) -> Counter:
     """How often the run without the budget trains each train sample: every rank's rows replayed
     from the start through ``segments`` of (world size, steps)."""
@@ -231,3 +240,32 @@ def test_kill_of_rank_0_leaves_no_extractor_and_the_rerun_trains_the_same_draft(
     assert trained_counts(out) == reference_counts(data, [(2, STEPS)], window=1)
     assert_same_training(out, unbudgeted)
 
+
+def test_kill_of_every_process_of_torchrun_then_a_rerun_with_one_process(data, tmp_path):
+    """A global shuffle under the budget: the budget holds a narrower window of shards for 2 ranks'
+    rows in flight than for 1; the rerun with 1 process keeps the window of the checkpoint it
+    resumes (its order), as the same run without the budget on that window does."""
+    manifest = budgeted_copy(data, tmp_path / "hidden_states")
+    out = tmp_path / "train"
+    roles = kill_after_checkpoint(command(data, manifest, out, 2, shuffle="global"), out,
+                                  {"launcher", "rank 0", "rank 1"})
+    assert len(roles["producer of rank 0"]) == 1
+    assert survivors(tmp_path) == []
+    window = int(re.search(r"rows shuffle the samples of (\d+) shard", Path(f"{out}.log").read_text())[1])
+    keep_checkpoints_up_to(out, KILLED_AT)
+    log = train(command(data, manifest, out, 1, shuffle="global"))
+    assert f"step-{KILLED_AT:07d} at step {KILLED_AT}" in log and "saved with world size 2, now 1" in log, log[-3000:]
+    assert f"keeps its shuffle window of {window} shard(s)" in log, log[-3000:]
+    record = assert_within_budget(data, out, manifest)
+    assert record["shuffle_window_shards"] == window
+    assert trained_counts(out) == reference_counts(data, [(2, KILLED_AT), (1, STEPS - KILLED_AT)], window)
+
+    # without the budget, rows shuffled within the same window of shards (a buffer of that many)
+    biggest_plain = max(r["bytes"] for r in json.loads(data.plain.read_text())["splits"]["train"]["shards"])
+    buffer_gib = str((window + 0.5) * biggest_plain / 2**30)
+    reference = tmp_path / "unbudgeted"
+    kill_after_checkpoint(command(data, data.plain, reference, 2, shuffle=buffer_gib), reference,
+                          {"launcher", "rank 0", "rank 1"})
+    keep_checkpoints_up_to(reference, KILLED_AT)
+    train(command(data, data.plain, reference, 1, shuffle=buffer_gib))
+    assert_same_training(out, reference)
