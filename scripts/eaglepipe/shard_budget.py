@@ -19,7 +19,8 @@ Design:
   the next pass extracts it again (the pass's shard order follows the seed).
 - Resume: the schedule is computed from the checkpoint's data position; stray occurrences are
   removed, intact ones reused (verified as extraction verifies shards, damaged ones rebuilt), only
-  what rows from there on need is extracted. The producer dies with the trainer (PDEATHSIG and a
+  what rows from there on need is extracted. The checkpoint's shuffle window is kept where the
+  budget holds it, with another world size too (train_draft.resumed_window). The producer dies with the trainer (PDEATHSIG and a
   parent check); a dead producer stops the trainer with one sentence; the trained-sample counts
   are part of every checkpoint, so a resumed run's curve and draft equal an uninterrupted run's.
   The extraction records (train/budget/extracted.jsonl) are kept across resumes: the summary's
