@@ -230,6 +230,19 @@ def test_ranks_take_disjoint_rows(tmp_path):
     assert sorted(once) == sorted(halves)
 
 
+@pytest.mark.parametrize("loader", ROW_LOADERS)
+def test_rows_packed_ahead_end_at_the_last_step(tmp_path, loader):
+    # under a disk budget no shard is made for a row past the training's last step: a rank packing
+    # one ahead would wait for it forever
+    m = random_manifest(tmp_path, [[4, 5, 3], [6, 2, 2], [7, 3]])
+    rows = PackedRows(m, "train", 9, seed=3, rank=1, world_size=2)
+    ahead = rows.prefetched(loader, 0, 2, steps=3)  # crosses an epoch
+    assert [pos for pos, _ in ahead] == [(0, 4), (1, 2), (1, 4)]
+    packed = []
+    rows.materialize = lambda row: packed.append(row) or {}
+    assert len(list(rows.stream(0, 2, steps=3))) == 3 and len(packed) == 3
+
+
 def test_layer_count_mismatch_is_a_clear_error(tmp_path):
     m = random_manifest(tmp_path, [[4, 4]])
     m["layer_ids"] = [1, 2, 3, 4]

@@ -41,6 +41,21 @@ def test_the_schedule_counts_what_the_rows_in_flight_need():
     assert sched.peak_bytes(10) == 10 + 20 + 40 + 40 + 20
 
 
+def test_the_shuffle_window_fits_every_pass_of_the_run():
+    # a row reads one shard; but with a window of 2 shards, pass 2 packs two shards a row:
+    # three rows in flight then need 50 bytes, more than the budget of 30
+    def make_plan(window):
+        one_shard_a_row = [[(si, 0, 5)] for si in range(4)]
+        two_shards_a_row = [[(0, 0, 5), (1, 0, 5)], [(2, 0, 5), (3, 0, 5)]]
+        return lambda epoch: two_shards_a_row if (window, epoch) == (2, 2) else one_shard_a_row
+
+    def window(steps):
+        return shard_budget.choose_window(make_plan, 2, 4, 30, [10] * 4, steps, world=1, depth=0)
+
+    assert window(steps=8) == 2  # passes 0 and 1
+    assert window(steps=10) == 1  # and pass 2, which the training would refuse to start (Budget.start)
+
+
 def test_extraction_over_the_budget_writes_only_the_eval_shards_and_the_producer_the_rest(tmp_path, tiny_llama):
     train, evl = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
     tiny.make_tokenized(train, 8, 400, seed=1, prefix="t")
@@ -64,7 +79,7 @@ def test_extraction_over_the_budget_writes_only_the_eval_shards_and_the_producer
 
     train_args = Namespace(shuffle_buffer_gib="global", batch_tokens=64, seed=0, max_steps=20)
     with pytest.raises(SystemExit, match="the train share of the budget .* cannot hold .* raise the budget by"):
-        budget_plan(train_args, load_manifest(tmp_path / "hs" / "manifest.json"), 1)
+        budget_plan(train_args, load_manifest(tmp_path / "hs" / "manifest.json"), 1, tmp_path / "train", {})
     # the same settings without the budget: the part's settings (and so the shards' digest) are the same
     plain = tmp_path / "plain.json"
     ehs.main([*common, "--out", str(plain), "--shard-dir", str(tmp_path / "plain")])

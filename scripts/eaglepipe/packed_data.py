@@ -205,12 +205,16 @@ class PackedRows:
             yield row
 
     # ------------------------------------------------------------------ iteration
-    def stream(self, epoch: int = 0, index: int = 0) -> Iterator[tuple[tuple[int, int], dict]]:
-        """Endless training stream from position (epoch, index): yields (next position, row).
+    def stream(self, epoch: int = 0, index: int = 0,
+               steps: int | None = None) -> Iterator[tuple[tuple[int, int], dict]]:
+        """Training stream from position (epoch, index): yields (next position, row), ``steps``
+        times (None: endlessly).
 
         Each yield consumes world_size rows; an epoch's last rows that cannot fill every rank are
-        dropped so all ranks step together.
+        dropped so all ranks step together. No row past the last step is read: under a disk budget
+        no shard is made for it, and a rank reading ahead would wait for one forever.
         """
+        yielded = 0
         while True:
             group: list[Row] = []
             produced = False
@@ -224,12 +228,15 @@ class PackedRows:
                     continue
                 group.append(row)
                 if len(group) == self.world_size:
+                    if yielded == steps:
+                        return
                     produced = True
                     self._epoch = epoch  # the pass whose shard files a disk budget reads
                     batch = self.materialize(group[self.rank])
                     for key in [k for k in self._occurrences if k[0] < epoch or last_use.get(k[1], -1) <= i]:
                         del self._occurrences[key]
                     yield (epoch, i + 1), batch
+                    yielded += 1
                     group = []
             if not produced and index == 0:
                 raise SystemExit(f"split {self.split!r}: fewer packed rows per epoch than ranks "
@@ -237,17 +244,18 @@ class PackedRows:
             self.report()
             epoch, index = epoch + 1, 0
 
-    def prefetched(self, loader: str, epoch: int = 0, index: int = 0, depth: int = 2):
-        """``stream(epoch, index)`` with the next ``depth`` rows packed ahead, by a thread or a
+    def prefetched(self, loader: str, epoch: int = 0, index: int = 0, depth: int = 2, steps: int | None = None):
+        """``stream(epoch, index, steps)`` with the next ``depth`` rows packed ahead, by a thread or a
         worker process (refused where shared memory cannot hold its rows: ``check_row_loader``). The
         worker packs in ordinary memory; page-locking, when asked, happens here, as only this
         process's pages count for its GPU copies."""
         check_row_loader(loader, self.row_bytes() if loader == "process" else 0, depth)
         if loader == "thread":
-            return prefetch(self.stream(epoch, index), depth)
+            return prefetch(self.stream(epoch, index, steps), depth)
         worker = copy.copy(self)
         worker.pin_memory = False
-        return prefetch_in_process(functools.partial(worker.stream, epoch, index), depth, pin_memory=self.pin_memory)
+        return prefetch_in_process(functools.partial(worker.stream, epoch, index, steps), depth,
+                                   pin_memory=self.pin_memory)
 
     def row_bytes(self) -> int:
         """The largest row's bytes: its states (every layer) and the few integer tensors."""

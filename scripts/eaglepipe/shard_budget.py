@@ -19,7 +19,8 @@ Design:
   the next pass extracts it again (the pass's shard order follows the seed).
 - Resume: the schedule is computed from the checkpoint's data position; stray occurrences are
   removed, intact ones reused (verified as extraction verifies shards, damaged ones rebuilt), only
-  what rows from there on need is extracted. The producer dies with the trainer (PDEATHSIG and a
+  what rows from there on need is extracted. The checkpoint's shuffle window is kept where the
+  budget holds it, with another world size too (train_draft.resumed_window). The producer dies with the trainer (PDEATHSIG and a
   parent check); a dead producer stops the trainer with one sentence; the trained-sample counts
   are part of every checkpoint, so a resumed run's curve and draft equal an uninterrupted run's.
   The extraction records (train/budget/extracted.jsonl) are kept across resumes: the summary's
@@ -219,15 +220,14 @@ def rows_ahead(world: int, depth: int) -> int:
 
 def choose_window(make_plan, configured: int | None, n_shards: int, budget: int, sizes: list[int],
                   steps: int, world: int, depth: int) -> int:
-    """The widest shuffle window (at most the configured one; None = all shards) whose first two
-    passes' rows fit the budget's train share. SystemExit when not even one shard at a time fits."""
+    """The widest shuffle window (at most the configured one; None = all shards) whose rows, every
+    step's, fit the budget's train share: each pass orders the shards anew, so any pass may need
+    the most, and the training checks them all before it starts (Budget.start). SystemExit when not
+    even one shard at a time fits."""
     ahead = rows_ahead(world, depth)
 
     def fits(w: int) -> tuple[bool, int]:
-        rows_of_epoch = make_plan(w)
-        sched = Schedule(rows_of_epoch, (0, 0), min(steps, 2 * max(1, _steps_per_epoch(rows_of_epoch, world))),
-                         world, sizes)
-        need = sched.peak_bytes(ahead)
+        need = Schedule(make_plan(w), (0, 0), steps, world, sizes).peak_bytes(ahead)
         return need <= budget, need
 
     hi = min(configured or n_shards, n_shards)
@@ -245,10 +245,6 @@ def choose_window(make_plan, configured: int | None, n_shards: int, budget: int,
         else:
             hi = mid - 1
     return lo
-
-
-def _steps_per_epoch(rows_of_epoch, world: int) -> int:
-    return len(list(rows_of_epoch(0))) // world
 
 
 class ShardWaiter:

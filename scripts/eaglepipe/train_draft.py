@@ -80,24 +80,27 @@ RESULT_NEUTRAL = {
 }
 
 
-def run_settings(args, manifest: dict, budget_window: int | None = None) -> dict:
+def run_settings(args, manifest: dict) -> dict:
     """Everything that changes what training produces (the world size does not: packed_data); under
-    a disk budget, the shuffle window it leaves (not the budget: another one of the same window
-    trains the same draft)."""
+    a disk budget, add the shuffle window it leaves (window_settings)."""
     data = hashlib.sha256(json.dumps([manifest["layer_ids"], manifest["splits"]], sort_keys=True).encode())
     settings = {k: v for k, v in vars(args).items() if k not in RESULT_NEUTRAL}
-    settings = dict(settings, model=str(args.model), data=data.hexdigest()[:16], vocab=sha256_file(args.vocab)[:16])
-    if budget_window is not None:
-        settings["budget_window"] = budget_window
-    return settings
+    return dict(settings, model=str(args.model), data=data.hexdigest()[:16], vocab=sha256_file(args.vocab)[:16])
+
+
+def window_settings(settings: dict, window: int) -> dict:
+    """run_settings under a disk budget: with the shuffle window it leaves (not the budget: another
+    one of the same window trains the same draft)."""
+    return dict(settings, budget_window=window)
 
 
 PREFETCH_DEPTH = 2  # rows packed ahead of the step (PackedRows.prefetched's default)
 
 
-def budget_plan(args, manifest: dict, world: int):
+def budget_plan(args, manifest: dict, world: int, out: Path, settings: dict):
     """Under a disk budget: (the shuffle window it leaves, the window without it, plan(window) ->
-    the rows of a pass); else None."""
+    the rows of a pass); else None. The window is the widest the budget holds with the rows of
+    ``world`` processes in flight, or the resumed training's (resumed_window)."""
     if not shard_budget.is_budgeted(manifest):
         return None
     configured = shuffle_window(manifest, "train", args.shuffle_buffer_gib)
@@ -110,9 +113,24 @@ def budget_plan(args, manifest: dict, world: int):
         return plans[window].plan
 
     rows = shard_budget.train_rows(manifest)
-    window = shard_budget.choose_window(rows_of, configured, len(rows), manifest[shard_budget.BUDGET_KEY]["train_bytes"],
+    widest = shard_budget.choose_window(rows_of, configured, len(rows), manifest[shard_budget.BUDGET_KEY]["train_bytes"],
                                         [r["bytes"] for r in rows], args.max_steps, world, PREFETCH_DEPTH)
+    window = resumed_window(out, settings, widest) or widest
+    if window != widest:
+        log.info("disk budget: the resumed training keeps its shuffle window of %d shard(s) (the budget holds %d "
+                 "with %d process(es))", window, widest, world)
     return window, configured, rows_of(window)
+
+
+def resumed_window(out: Path, settings: dict, widest: int) -> int | None:
+    """The shuffle window of the newest checkpoint of these settings whose window the budget holds
+    (at most ``widest`` shards), or None. The widest window depends on the world size (the rows in
+    flight): a training resumed with fewer processes keeps its own, and so its order."""
+    windows = {checkpoints.settings_digest(window_settings(settings, w)): w for w in range(1, widest + 1)}
+    for ckpt in reversed(checkpoints.complete_checkpoints(out)):
+        if window := windows.get(checkpoints.marker_digest(ckpt)):
+            return window
+    return None
 
 
 class MetricsLog:
@@ -160,18 +178,22 @@ def train(args, stop_after: int | None = None) -> dict | None:
     except ValueError as e:
         raise SystemExit(f"manifest {args.manifest}: {e}") from e
     aux_ids = aux_layer_ids(layer_ids)
-    budgeted = budget_plan(args, manifest, world)
-    settings = run_settings(args, manifest, budgeted[0] if budgeted else None)
+    settings = run_settings(args, manifest)
+    budgeted = budget_plan(args, manifest, world, out, settings)
+    if budgeted:
+        settings = window_settings(settings, budgeted[0])
     digest = checkpoints.settings_digest(settings)
     log.info("target %s, layer ids %s (aux %s), %d thread(s), device %s, world size %d, settings digest %s",
              args.model, layer_ids, aux_ids, threads, device, world, digest)
 
     code = code_digest(Path(__file__).parent, "train_draft")
-    # rank 0 decides (and moves a finished training of other code aside) before the others look
-    resume = reusable_or_superseded(out, digest, code, args.max_steps) if main_rank else None
     if world > 1:
         import torch.distributed as dist
 
+        dist.barrier()  # every rank has its budget window from the checkpoints before rank 0 moves any aside
+    # rank 0 decides (and moves a finished training of other code aside) before the others look
+    resume = reusable_or_superseded(out, digest, code, args.max_steps) if main_rank else None
+    if world > 1:
         dist.barrier()
         if not main_rank:
             resume = checkpoints.find_resume(out, digest)
@@ -260,7 +282,7 @@ def train_steps(args, out, rows, position, step, world, device, main_rank, model
     """The training loop from ``step`` at data ``position`` to --max-steps."""
     from .acceptance import select_value
 
-    stream = rows.prefetched(args.row_loader, *position, depth=PREFETCH_DEPTH)
+    stream = rows.prefetched(args.row_loader, *position, depth=PREFETCH_DEPTH, steps=args.max_steps - step)
     log_every = max(1, args.max_steps // 200)
     keys = ("hidden_states", "input_ids", "document_ids", "loss_mask", "position_ids", "verifier_last_hidden_states")
     window_tokens, window_start = 0, time.perf_counter()
