@@ -46,6 +46,7 @@ read -r -a SIZES <<< "${CURVE_SIZES:-2000:110 6000:320 all}"
 PACK=results/regen-pack   # the full run's regenerated parts, packed to be brought back
 PIECE_MB=15               # $OUT brings back files of at most 16 MiB, 64 MiB and 8 files in all
 RETURN_MB=48              # the most of them one status call returns (beside the results)
+source benchmarks/device_chain.sh  # step, chain_running, install_staged
 SNAKEMAKE=(python3 -m snakemake --cores all --resources gpu=1 --rerun-incomplete --configfile "$PRESET" "$OVERLAY")
 
 usage() { awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit "${1:-0}"; }
@@ -64,16 +65,6 @@ size_args() {  # the --config words of a size, one a line
   done
   echo "no size '$1' (sizes: ${SIZES[*]%%:*})" >&2
   return 1
-}
-
-step() {  # step NAME cmd...: timed, logged to results/NAME.log; the chain goes on after a failure
-  local name=$1 t0=$SECONDS rc; shift
-  echo "== $name start $(date -u +%T)"
-  "$@" > "results/$name.log" 2>&1
-  rc=$?
-  printf '%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - t0))" >> "$STEPS"
-  echo "== $name rc=$rc $((SECONDS - t0)) s"
-  return $rc
 }
 
 regenerate() {
@@ -182,16 +173,8 @@ start() {
     mkdir -p "$RUN_DIR" && tar --exclude=./results --exclude=./.git --exclude=./.gpuwheels -cf - . | tar -xf - -C "$RUN_DIR"
   fi
   cd "$RUN_DIR" && mkdir -p results
-  if [ -f "$PIDFILE" ] && kill -0 "$(cat "$PIDFILE")" 2>/dev/null; then
-    echo "already running (pid $(cat "$PIDFILE"))"; return
-  fi
-  if [ ! -f results/.setup-done ]; then
-    [ -d "$STAGE/wheels" ] || cat "$STAGE"/bundle.tar.* | tar -xf - -C "$STAGE"
-    local t0=$SECONDS
-    bash setup.sh --gpu --no-venv --wheels "$STAGE/wheels" > results/setup.log 2>&1 \
-      || { tail -n 30 results/setup.log; echo "setup FAILED"; exit 1; }
-    echo "setup $((SECONDS - t0)) s" | tee -a results/setup.log && touch results/.setup-done
-  fi
+  chain_running && return
+  install_staged
   [ -z "$(ls -A .snakemake/locks 2>/dev/null)" ] || python3 -m snakemake --unlock --cores 1 --configfile "$PRESET" "$OVERLAY" > /dev/null 2>&1
   setsid nohup bash benchmarks/gpu_data_curve.sh chain "$mode" "$@" >> "$LOG" 2>&1 < /dev/null &
   echo $! > "$PIDFILE"

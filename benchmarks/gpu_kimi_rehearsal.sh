@@ -25,15 +25,7 @@ PIDFILE=results/kimi_rehearsal.pid
 MODEL=results/models/kimi-k2.5-width
 RUN=kimi-rehearsal
 BENCH=results/bench_extraction   # on the shard disk, as the pipeline's shards
-
-step() {  # step NAME cmd...: timed, logged to results/NAME.log; the chain goes on after a failure
-  local name=$1 t0=$SECONDS rc; shift
-  echo "== $name start $(date -u +%T)"
-  "$@" > "results/$name.log" 2>&1
-  rc=$?
-  printf '%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - t0))" >> "$STEPS"
-  echo "== $name rc=$rc $((SECONDS - t0)) s"
-}
+source benchmarks/device_chain.sh  # step, chain_running, install_staged
 
 disk() {  # the shard disk's sequential write + fsync bandwidth, 4 GiB (what a shard write costs)
   dd if=/dev/zero of=results/disk_speed.bin bs=64M count=64 conv=fsync 2>&1 | tail -n 1
@@ -63,14 +55,8 @@ chain() {
 start() {
   [ "$PWD" = "$RUN_DIR" ] || { rm -rf "$RUN_DIR" && cp -r . "$RUN_DIR"; }
   cd "$RUN_DIR" && mkdir -p results
-  if [ -f "$PIDFILE" ] && kill -0 "$(cat "$PIDFILE")" 2>/dev/null; then
-    echo "already running (pid $(cat "$PIDFILE"))"; return
-  fi
-  [ -d "$STAGE/wheels" ] || cat "$STAGE"/bundle.tar.* | tar -xf - -C "$STAGE"
-  local t0=$SECONDS
-  bash setup.sh --gpu --no-venv --wheels "$STAGE/wheels" > results/setup.log 2>&1 \
-    || { tail -n 30 results/setup.log; echo "setup FAILED"; exit 1; }
-  echo "setup $((SECONDS - t0)) s"
+  chain_running && return
+  install_staged
   setsid nohup bash benchmarks/gpu_kimi_rehearsal.sh chain > "$LOG" 2>&1 < /dev/null &
   echo $! > "$PIDFILE"
   echo "started the chain (pid $!), log $LOG"

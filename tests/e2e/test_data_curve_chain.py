@@ -32,7 +32,7 @@ def workspace(root: Path, target: Path) -> Path:
     root.mkdir()
     ws = copy_workflow(root)
     (ws / "benchmarks").mkdir()
-    for name in ("gpu_data_curve.sh", "data_curve.py"):
+    for name in ("gpu_data_curve.sh", "device_chain.sh", "data_curve.py"):
         shutil.copy2(REPO / "benchmarks" / name, ws / "benchmarks" / name)
     chats = tiny.make_chats(ws / "chats.jsonl", n=24)
     prompts = ws / "prompts.jsonl"  # the fixed eval set, ids of its own (as MT-Bench's)
