@@ -161,7 +161,12 @@ class VLLMGenerator:
 
     def __init__(self, llm, sampling: Sampling, make_params, precision: str):
         self.llm, self.engine, self.sampling, self.make_params = llm, llm.llm_engine, sampling, make_params
-        self.precision = precision  # the dtype flag: "auto" follows the model's config, which the key names
+        self.precision = precision
+
+    @staticmethod
+    def compute_precision(device: str, dtype: str) -> str:
+        """The dtype flag: "auto" follows the model's config, which the key names."""
+        return dtype
 
     @classmethod
     def load(cls, model: str, sampling: Sampling, dtype: str, tensor_parallel_size: int = 1,

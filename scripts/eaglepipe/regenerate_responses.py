@@ -128,10 +128,10 @@ def regenerate(args) -> None:
                                               trust_remote_code=args.trust_remote_code)
     stops = stop_token_ids(tokenizer, args.model, args.revision, args.trust_remote_code)
     templates = mode_templates(tokenizer, args.chat_template, args.modes)
+    backend = VLLMGenerator if args.backend == "vllm" else HFGenerator
     generator = LazyGenerator(
         partial(make_generator, args), Sampling(sets[0].temperature, sets[0].top_p, sets[0].max_new_tokens, stops),
-        precision=args.dtype if args.backend == "vllm" else HFGenerator.compute_precision(args.device, args.dtype),
-        lookahead=VLLMGenerator.lookahead if args.backend == "vllm" else HFGenerator.lookahead,
+        precision=backend.compute_precision(args.device, args.dtype), lookahead=backend.lookahead,
         announce=lambda s: print(f"{args.backend} engine loaded in {s}s; it answers {len(sets)} set(s)",
                                  file=sys.stderr))
     reports = []
