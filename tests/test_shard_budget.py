@@ -23,8 +23,9 @@ def test_no_budget_or_one_that_fits_changes_nothing():
     assert shard_budget.plan(250 / 2**30, sizes, 10) is None
     record = shard_budget.plan(200 / 2**30, sizes, 10)
     assert record["train_bytes"] == 150 and record["eval_bytes"] == 50 and record["projected_bytes"] == 250
-    with pytest.raises(SystemExit, match="extract.disk_budget_gib .*the held-out eval shards alone need"):
+    with pytest.raises(SystemExit, match="extract.disk_budget_gib .*the held-out eval shards alone need") as e:
         shard_budget.plan(120 / 2**30, sizes, 10)
+    assert "at least 150 B" in str(e.value) and "every shard fits in 250 B" in str(e.value)
     assert shard_budget.plan(1 / 2**30, {"train": [], "eval": [50]}, 10) is None  # a parity set
 
 

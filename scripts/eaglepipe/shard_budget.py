@@ -100,10 +100,15 @@ def plan(budget_gib: float | None, batch_bytes: dict[str, list[int]], bytes_per_
     projected = {split: sum(sizes) for split, sizes in batch_bytes.items()}
     if sum(projected.values()) <= budget:
         return None
-    if projected["eval"] + max(batch_bytes["train"], default=0) > budget:
+    least = projected["eval"] + max(batch_bytes["train"], default=0)
+    if least > budget:
+        # the least is a lower bound (training checks the rows in flight before its first step);
+        # the projection is where the budget stops mattering
         raise SystemExit(f"extract.disk_budget_gib {budget_gib}: the held-out eval shards alone need "
                          f"{human_bytes(projected['eval'])}, and the budget of {human_bytes(budget)} must hold them "
-                         "and train shards beside; raise the budget or hold out fewer samples")
+                         f"and train shards beside: give it at least {human_bytes(least)} (the eval shards and "
+                         f"the largest train shard; every shard fits in {human_bytes(sum(projected.values()))}), "
+                         "or hold out fewer samples, or make smaller shards (extract.batch_size)")
     return {"bytes": budget, "gib": budget_gib, "projected_bytes": sum(projected.values()),
             "eval_bytes": projected["eval"], "train_bytes": budget - projected["eval"],
             "bytes_per_token": bytes_per_token}
