@@ -23,6 +23,7 @@ rule model_card:
         regenerated=REGENERATION_STATS,
         manifest=rules.gather_hidden_states.output.manifest,
         parity=PARITY_PART if SERVING else [],
+        parity_gate=rules.evaluate_parity.output[0] if SERVING else [],
         earlier=inputs_before(
             rules.export_draft,
             rules.train_draft,
@@ -30,7 +31,12 @@ rule model_card:
             rules.evaluate_offline,
             rules.gather_hidden_states,
             *REGENERATION_RULES,
-            *[rules.benchmark_serving, rules.extract_parity_hidden_states] * SERVING,
+            *[
+                rules.benchmark_serving,
+                rules.extract_parity_hidden_states,
+                rules.evaluate_parity,
+            ]
+            * SERVING,
         ),
     output:
         card="results/{run}/draft/README.md",
@@ -48,7 +54,9 @@ rule model_card:
             f"--regeneration-stats {input.regenerated}" if input.regenerated else ""
         ),
         parity=lambda wc, input: (
-            f"--parity-manifest {input.parity}" if input.parity else ""
+            f"--parity-manifest {input.parity} --parity {input.parity_gate}"
+            if input.parity
+            else ""
         ),
         settings=get_setting_flags("model_card"),
         code=code_digest("model_card"),

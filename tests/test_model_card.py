@@ -214,3 +214,16 @@ def test_a_disk_budget_extractor_that_loaded_nothing_has_no_row(run):
     assert card.endswith("| stage | seconds |\n| --- | --- |\n| train_draft (disk budget extraction) | 95.0 |\n")
     assert json.loads((run / "summary.json").read_text())["target_loads"] == {
         "count": 1, "seconds": 95.0, "loads": [{"stage": "train_draft (disk budget extraction)", "seconds": 95.0}]}
+
+
+def test_the_parity_gates_verdict_is_in_the_card(run):
+    # as evaluate --parity wrote it in the Kimi-width rehearsal (benchmarks/SCALE.md)
+    parity = {"agree": True, "k": 3, "z": 3.0, "replay_acceptance_length": 1.0, "served_acceptance_length": 1.0,
+              "positions": [{"position": i, "tolerance": 0.0319, "agree": True} for i in range(3)],
+              "requests": 244, "concurrency": 1, "replay_counts": {"drafts": 15128},
+              "served_counts": {"drafts": 15372}}
+    (run / "eval/parity.json").write_text(json.dumps(parity))
+    card = write_card(run, "--parity", str(run / "eval/parity.json"))
+    assert ("- parity gate at K=3, concurrency 1: agree: vLLM's 1.0 over 15372 drafts against the offline "
+            "replay's 1.0 over 15128 drafts of the same 244 requests (per-position tolerance 0.032, z=3.0)") in card
+    assert "parity gate" not in write_card(run)

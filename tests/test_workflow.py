@@ -230,6 +230,7 @@ def test_serving_benchmark_plans_parity_rules(tmp_path):
     parity_extract = [line for line in p.stdout.splitlines()
                       if "eaglepipe.extract_hidden_states" in line and "/eval/parity/eval.jsonl" in line]
     assert len(parity_extract) == 1 and "/eval/parity/shards --replica 0 --replicas 1" in parity_extract[0]
+    assert "--parity results/smollm2-demo/eval/parity.json" in cmds["model_card"]  # the card states the gate's verdict
     bad = snakemake(ws, "-n", "--config", 'benchmark_serving={"enabled": true, "k": [1, 2]}', check=False)
     assert bad.returncode != 0
     assert "benchmark_serving.parity.k (or the export's K) 3 is not among" in bad.stdout + bad.stderr

@@ -164,7 +164,7 @@ def disk_budget_lines(budget: dict | None) -> list[str]:
 
 def card(config: dict, summary: dict, which: str, data_stats: dict, offline: dict, serving: dict | None,
          draft_dir: Path, tensor_parallel_size: int, trust_remote_code: bool, where: dict[str, str],
-         refused: str | None = None, loads: list[dict] | None = None) -> str:
+         refused: str | None = None, loads: list[dict] | None = None, parity: dict | None = None) -> str:
     """The card's text; ``refused`` (unservable()'s reason) replaces the serve command, which could not work."""
     spec = _field(config, "speculators_config", where["config"])
     verifier = spec["verifier"]["name_or_path"]
@@ -225,6 +225,7 @@ def card(config: dict, summary: dict, which: str, data_stats: dict, offline: dic
                                   for c, v in by_concurrency.items()) or "n/a"))
         lines += acceptance_by_k_line(serving)
         lines += offline_vs_online(offline, serving)
+    lines += parity_line(parity)
     lines += loads_section(loads or [])
     return "\n".join(lines) + "\n"
 
@@ -259,6 +260,21 @@ def offline_vs_online(offline: dict, serving: dict) -> list[str]:
             f"(offline / online {ratio:.3f})"]
 
 
+def parity_line(parity: dict | None) -> list[str]:
+    """The parity gate's verdict (evaluate --parity), which writes its file only when vLLM's counts
+    and the offline replay agree: the card waits for it, so a card beside a served AL that the gate
+    rejects is never written."""
+    if not parity:
+        return []
+    served, replay = parity.get("served_counts") or {}, parity.get("replay_counts") or {}
+    tolerance = max((p.get("tolerance") or 0 for p in parity.get("positions", [])), default=0)
+    return [f"- parity gate at K={parity.get('k')}, concurrency {parity.get('concurrency')}: "
+            f"agree: vLLM's {parity.get('served_acceptance_length')} "
+            f"over {served.get('drafts', 'n/a')} drafts against the offline replay's "
+            f"{parity.get('replay_acceptance_length')} over {replay.get('drafts', 'n/a')} drafts of the same "
+            f"{parity.get('requests', 'n/a')} requests (per-position tolerance {tolerance:.3f}, z={parity.get('z')})"]
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--draft-config", required=True, help="config.json of the exported draft")
@@ -270,6 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="regenerated/stats.json and eval_prompts_stats.json, where the run made them (their loads)")
     p.add_argument("--manifest", help="hidden_states/manifest.json (the extraction's loads)")
     p.add_argument("--parity-manifest", help="the parity extraction's part manifest (its load)")
+    p.add_argument("--parity", help="eval/parity.json, the parity gate's verdict")
     add_stage_arguments(p, "model_card")
     p.add_argument("--out", required=True)
     p.add_argument("--run-summary", help="also write the run's summary here (JSON: the target loads)")
@@ -299,7 +316,7 @@ def main(argv: list[str] | None = None) -> None:
         text = card(inputs["config"], inputs["summary"], args.which, stats, inputs["offline"],
                     inputs.get("serving"), Path(args.draft_config).parent, args.tensor_parallel_size,
                     args.trust_remote_code, where, unservable(_field(inputs["summary"], "target_model", args.summary)),
-                    loads)
+                    loads, optional(args.parity, "parity gate"))
     except CardError as e:
         raise SystemExit(f"model_card: {e}") from None
     with atomic_path(args.out) as tmp:
