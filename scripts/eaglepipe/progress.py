@@ -11,11 +11,11 @@ from tqdm import tqdm
 class TokenProgress:
     """``with TokenProgress(total, "extract") as p: p.update(n)``; ``p.summary()`` -> tokens, seconds, tok/s."""
 
-    def __init__(self, total: int, desc: str, unit: str = "tok"):
+    def __init__(self, total: int, desc: str, unit: str = "tok", disable: bool = False):
         tty = sys.stderr.isatty()
         # a log file gets one line every 30 s instead of thousands of carriage-return updates
         self.bar = tqdm(total=total, desc=desc, unit=unit, unit_scale=True, file=sys.stderr,
-                        mininterval=0.5 if tty else 30, dynamic_ncols=tty)
+                        mininterval=0.5 if tty else 30, dynamic_ncols=tty, disable=disable)
         self.tokens = 0
         self.start = time.perf_counter()
 

@@ -185,6 +185,8 @@ def train(args, stop_after: int | None = None) -> dict | None:
     digest = checkpoints.settings_digest(settings)
     log.info("target %s, layer ids %s (aux %s), %d thread(s), device %s, world size %d, settings digest %s",
              args.model, layer_ids, aux_ids, threads, device, world, digest)
+    if not main_rank:  # past its device, another rank's info lines and bar repeat rank 0's
+        logging.getLogger().setLevel(logging.WARNING)
 
     code = code_digest(Path(__file__).parent, "train_draft")
     if world > 1:
@@ -287,7 +289,7 @@ def train_steps(args, out, rows, position, step, world, device, main_rank, model
     keys = ("hidden_states", "input_ids", "document_ids", "loss_mask", "position_ids", "verifier_last_hidden_states")
     window_tokens, window_start = 0, time.perf_counter()
     model.train()
-    with TokenProgress(args.max_steps - step, "train", unit="step") as bar, closing(stream):
+    with TokenProgress(args.max_steps - step, "train", unit="step", disable=not main_rank) as bar, closing(stream):
         while step < args.max_steps:
             position, batch = next(stream)
             b = {k: batch[k].to(device, non_blocking=True) for k in keys}  # from page-locked rows on GPUs
