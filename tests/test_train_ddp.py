@@ -3,8 +3,10 @@
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -61,3 +63,47 @@ def test_each_rank_packing_its_rows_in_a_worker_process_trains_the_same_weights(
         weights[loader] = load_file(str(out / "checkpoints" / "step-0000004" / "model.safetensors"))
     a, b = weights["thread"], weights["process"]
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def children(pid: int) -> set[int]:
+    return {int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()}
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.e2e  # torchrun, killed, and its rerun: ~45 s
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_the_ranks_die_with_a_killed_torchrun_and_the_rerun_resumes(run, tmp_path):
+    out = tmp_path / "train"
+    args = train_argv(run, out, max_steps=100, checkpoint_every=5, eval_every=100)
+    env = dict(os.environ, PYTHONPATH=str(REPO / "scripts"), OMP_NUM_THREADS="1")
+    launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                                 "-m", "eaglepipe.train_draft", *args], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ranks: set[int] = set()
+    try:
+        deadline = time.monotonic() + 300
+        while not list((out / "checkpoints").glob("step-*")):  # training, past its first checkpoint
+            assert launcher.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        ranks = children(launcher.pid)
+        assert len(ranks) == 2
+        launcher.kill()  # kill -9 of torchrun alone
+        launcher.wait()
+        deadline = time.monotonic() + 30
+        while any(alive(r) for r in ranks) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not any(alive(r) for r in ranks), "a rank outlived its torchrun"
+    finally:
+        launcher.kill()
+        for r in filter(alive, ranks):
+            os.kill(r, signal.SIGKILL)
+    assert not (out / "summary.json").exists()  # killed before the end
+    log = train(args, nproc=2)  # the lock is free: the rerun resumes
+    assert "resuming from" in log, log[-2000:]
+    assert json.loads((out / "summary.json").read_text())["steps"] == 100

@@ -36,7 +36,6 @@ import logging
 import os
 import re
 import shlex
-import signal
 import subprocess
 import sys
 import time
@@ -46,6 +45,7 @@ from pathlib import Path
 import torch
 
 from .atomic import write_json
+from .process_lifetime import die_with_parent
 from .units import human_bytes
 
 log = logging.getLogger(__name__)
@@ -128,16 +128,6 @@ def is_budgeted(manifest: dict) -> bool:
 
 def parent_alive(ppid: int) -> bool:
     return os.getppid() == ppid
-
-
-def die_with_parent() -> None:
-    """preexec_fn of the producer: SIGKILL when its parent (the trainer) dies, however it dies."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux: the producer's parent check stops it
-        pass
 
 
 def trained_rows(progress: Path) -> int:

@@ -37,6 +37,7 @@ from .draft_model import LOSS_IMPLEMENTATION
 from .model_dir import check_model_dir
 from .layers import aux_layer_ids, validate_layer_ids
 from .packed_data import PackedRows, add_row_loader_argument, shuffle_buffer, shuffle_window
+from .process_lifetime import die_with_parent
 from .progress import TokenProgress
 from .runtime import all_reduce, rng_state, set_rng_state, set_threads, setup_distributed
 from .settings import add_stage_arguments
@@ -442,6 +443,10 @@ def main(argv=None) -> None:
                         stream=sys.stderr)
     args = parse_args(argv)
     check_model_dir(args.model)
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        # torchrun starts each rank in a session of its own: after kill -9 of torchrun (the job's
+        # process under Snakemake) its ranks would train on, holding the lock a rerun needs
+        die_with_parent(os.getppid())
     # one job per checkpoint directory; under torchrun rank 0 holds it for all ranks
     with dir_lock(args.out_dir) if int(os.environ.get("RANK", "0")) == 0 else nullcontext():
         train(args)

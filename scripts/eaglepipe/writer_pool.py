@@ -8,16 +8,14 @@ engine loop, nor run 16-thread OpenMP reductions from 8 threads at once.
 
 from __future__ import annotations
 
-import ctypes
 import importlib
 import multiprocessing
 import os
-import signal
-import sys
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 
+from .process_lifetime import die_with_parent
+
 POOLS = ("threads", "processes")
-PR_SET_PDEATHSIG = 1
 
 
 def make_pool(kind: str, writers: int, imports: tuple[str, ...] = ()) -> Executor:
@@ -38,12 +36,7 @@ def make_pool(kind: str, writers: int, imports: tuple[str, ...] = ()) -> Executo
 
 
 def _start_writer(parent: int, threads: int, imports: tuple[str, ...]) -> None:
-    # a writer must not outlive a killed parent (kill -9): it would wait for jobs forever.
-    # Linux only; the death signal is bound to the thread that started the writer (the caller's main)
-    if sys.platform == "linux":
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != parent:  # died before the signal was armed
-            os._exit(1)
+    die_with_parent(parent)  # a writer outliving a killed parent would wait for jobs forever
     import torch
 
     torch.set_num_threads(threads)
