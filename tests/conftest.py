@@ -12,11 +12,20 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import tiny  # noqa: E402
 
-# The longest modules first: pytest-xdist's loadscope hands modules to the workers in collection
-# order, and pytest collects a directory's files before its subdirectories, so the embedded default
-# (tests/e2e/, about half of one worker's time) started last and left the other worker idle.
-LONGEST_FIRST = ("e2e/test_embedded_default.py", "e2e/test_faults.py", "e2e/test_slurm.py",
-                 "e2e/test_disk_budget.py")
+# The longest modules first (seconds in a 2-worker run), so both pytest-xdist workers end together:
+# loadscope hands modules out in collection order only with --no-loadscope-reorder (pyproject.toml);
+# its default reorder, by test count, started the embedded default near the end of the suite.
+LONGEST_FIRST = ("e2e/test_embedded_default.py",  # 450
+                 "e2e/test_faults.py",  # 415
+                 "e2e/test_tiny_run.py",  # 290
+                 "e2e/test_slurm.py",
+                 "test_workflow.py",  # 210
+                 "e2e/test_regenerate_rules.py",  # 200
+                 "e2e/test_data_curve_chain.py",  # 185
+                 "e2e/test_disk_budget.py",  # 175
+                 "test_regenerate.py",  # 140
+                 "e2e/test_disk_budget_ddp.py",  # 120
+                 "test_settings.py", "test_train_ddp.py", "e2e/test_mla_run.py", "test_data_curve.py")
 
 
 def pytest_collection_modifyitems(config, items):

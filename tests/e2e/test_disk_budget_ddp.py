@@ -2,8 +2,8 @@
 train_draft launches train.gpus > 1), stage by stage without Snakemake: the shards on disk stay
 within the budget plus the one being written, every sample is trained as often as by the same run
 without the budget, the same order gives the same draft, kill -9 of rank 0 or of every process of
-torchrun leaves no extractor behind and resumes to the uninterrupted run's draft, and a run killed
-with 2 processes resumes with 1."""
+torchrun leaves no extractor behind, and a run killed so (both, one after the other) resumes, with
+2 processes and then with 1, to the draft of the same run without the budget."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS, CHECKPOINT_EVERY, BATCH_TOKENS = 24, 4, 64  # 20 shards, 18 rows a pass: 2 processes train 2.7 passes
-KILLED_AT = 8
+KILLED_AT, SECOND_KILL = 8, 16
 
 
 @pytest.fixture(scope="module")
@@ -118,13 +118,13 @@ def role(pid: int) -> str:
     return f"rank {environ[b'RANK'].decode()}"
 
 
-def kill_after_checkpoint(cmd: list[str], out: Path, victims: set[str]) -> dict[str, list[int]]:
-    """Start ``cmd``; once its checkpoint of step KILLED_AT is on disk, kill -9 its processes of the
+def kill_after_checkpoint(cmd: list[str], out: Path, victims: set[str], at: int = KILLED_AT) -> dict[str, list[int]]:
+    """Start ``cmd``; once its checkpoint of step ``at`` is on disk, kill -9 its processes of the
     roles ``victims`` at once and wait for the launcher. Its processes by role at the kill."""
     with open(f"{out}.log", "w") as log:
         proc = subprocess.Popen(cmd, env=ENV, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 120
-    while not (out / "checkpoints" / f"step-{KILLED_AT:07d}").is_dir():
+    while not (out / "checkpoints" / f"step-{at:07d}").is_dir():
         assert proc.poll() is None and time.monotonic() < deadline, Path(f"{out}.log").read_text()[-3000:]
         time.sleep(0.01)
     roles: dict[str, list[int]] = {}
@@ -226,46 +226,40 @@ def test_two_processes_train_within_the_budget_as_without_it(data, unbudgeted, t
     assert_same_training(out, unbudgeted)
 
 
-def test_kill_of_rank_0_leaves_no_extractor_and_the_rerun_trains_the_same_draft(data, unbudgeted, tmp_path):
+def test_kills_of_rank_0_then_of_every_process_of_torchrun_then_a_rerun_with_one_process(data, tmp_path):
+    """One budgeted run with a global shuffle (the budget holds a narrower window of shards for 2
+    ranks' rows in flight than for 1), killed twice: kill -9 of rank 0, a rerun with 2 processes,
+    kill -9 of every process, a rerun with 1 process that keeps the window of the checkpoint it
+    resumes (its order). It trains as the same run without the budget on that window does."""
     manifest = budgeted_copy(data, tmp_path / "hidden_states")
     out = tmp_path / "train"
-    roles = kill_after_checkpoint(command(data, manifest, out, 2), out, {"rank 0"})
+    roles = kill_after_checkpoint(command(data, manifest, out, 2, shuffle="global"), out, {"rank 0"})
     # one extractor for the shard directory, started by rank 0; it died with rank 0
     assert sorted(roles) == ["launcher", "producer of rank 0", "rank 0", "rank 1"]
     assert len(roles["producer of rank 0"]) == 1
     assert survivors(tmp_path) == []
-    log = train(command(data, manifest, out, 2))
-    assert "resuming from" in log and "saved with world size 2, now 2" in log, log[-3000:]
-    assert_within_budget(data, out, manifest)
-    assert trained_counts(out) == reference_counts(data, [(2, STEPS)], window=1)
-    assert_same_training(out, unbudgeted)
+    window = int(re.search(r"rows shuffle the samples of (\d+) shard", Path(f"{out}.log").read_text())[1])
 
-
-def test_kill_of_every_process_of_torchrun_then_a_rerun_with_one_process(data, tmp_path):
-    """A global shuffle under the budget: the budget holds a narrower window of shards for 2 ranks'
-    rows in flight than for 1; the rerun with 1 process keeps the window of the checkpoint it
-    resumes (its order), as the same run without the budget on that window does."""
-    manifest = budgeted_copy(data, tmp_path / "hidden_states")
-    out = tmp_path / "train"
     roles = kill_after_checkpoint(command(data, manifest, out, 2, shuffle="global"), out,
-                                  {"launcher", "rank 0", "rank 1"})
+                                  {"launcher", "rank 0", "rank 1"}, at=SECOND_KILL)
+    log = Path(f"{out}.log").read_text()
+    assert "resuming from" in log and "saved with world size 2, now 2" in log, log[-3000:]
     assert len(roles["producer of rank 0"]) == 1
     assert survivors(tmp_path) == []
-    window = int(re.search(r"rows shuffle the samples of (\d+) shard", Path(f"{out}.log").read_text())[1])
-    keep_checkpoints_up_to(out, KILLED_AT)
+    keep_checkpoints_up_to(out, SECOND_KILL)
     log = train(command(data, manifest, out, 1, shuffle="global"))
-    assert f"step-{KILLED_AT:07d} at step {KILLED_AT}" in log and "saved with world size 2, now 1" in log, log[-3000:]
+    assert f"step-{SECOND_KILL:07d} at step {SECOND_KILL}" in log and "saved with world size 2, now 1" in log, log[-3000:]
     assert f"keeps its shuffle window of {window} shard(s)" in log, log[-3000:]
     record = assert_within_budget(data, out, manifest)
     assert record["shuffle_window_shards"] == window
-    assert trained_counts(out) == reference_counts(data, [(2, KILLED_AT), (1, STEPS - KILLED_AT)], window)
+    assert trained_counts(out) == reference_counts(data, [(2, SECOND_KILL), (1, STEPS - SECOND_KILL)], window)
 
     # without the budget, rows shuffled within the same window of shards (a buffer of that many)
     biggest_plain = max(r["bytes"] for r in json.loads(data.plain.read_text())["splits"]["train"]["shards"])
     buffer_gib = str((window + 0.5) * biggest_plain / 2**30)
     reference = tmp_path / "unbudgeted"
     kill_after_checkpoint(command(data, data.plain, reference, 2, shuffle=buffer_gib), reference,
-                          {"launcher", "rank 0", "rank 1"})
-    keep_checkpoints_up_to(reference, KILLED_AT)
+                          {"launcher", "rank 0", "rank 1"}, at=SECOND_KILL)
+    keep_checkpoints_up_to(reference, SECOND_KILL)
     train(command(data, data.plain, reference, 1, shuffle=buffer_gib))
     assert_same_training(out, reference)
