@@ -31,11 +31,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-STAGE=${STAGE_DIR:-/tmp/stage}
+CHAIN=data_curve
 RUN_DIR=${RUN_DIR:-/tmp/data-curve}
-LOG=results/data_curve.log
-STEPS=results/data_curve_steps.tsv
-PIDFILE=results/data_curve.pid
 # (CURVE_PRESET, CURVE_OVERLAY and CURVE_SIZES replace them only for the CPU rehearsal of the chain,
 # tests/e2e/test_data_curve_chain.py)
 PRESET=${CURVE_PRESET:-config/presets/smollm2-h200.yaml}
@@ -46,10 +43,8 @@ read -r -a SIZES <<< "${CURVE_SIZES:-2000:110 6000:320 all}"
 PACK=results/regen-pack   # the full run's regenerated parts, packed to be brought back
 PIECE_MB=15               # $OUT brings back files of at most 16 MiB, 64 MiB and 8 files in all
 RETURN_MB=48              # the most of them one status call returns (beside the results)
-source benchmarks/device_chain.sh  # step, chain_running, install_staged
+source benchmarks/device_chain.sh  # STAGE, LOG, STEPS, PIDFILE; usage, step, chain_running, detach, wait_chain, install_staged
 SNAKEMAKE=(python3 -m snakemake --cores all --resources gpu=1 --rerun-incomplete --configfile "$PRESET" "$OVERLAY")
-
-usage() { awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit "${1:-0}"; }
 
 run_of() { [ "$1" = all ] && echo "$FULL" || echo "curve-$1"; }
 
@@ -176,18 +171,15 @@ start() {
   chain_running && return
   install_staged
   [ -z "$(ls -A .snakemake/locks 2>/dev/null)" ] || python3 -m snakemake --unlock --cores 1 --configfile "$PRESET" "$OVERLAY" > /dev/null 2>&1
-  setsid nohup bash benchmarks/gpu_data_curve.sh chain "$mode" "$@" >> "$LOG" 2>&1 < /dev/null &
-  echo $! > "$PIDFILE"
-  echo "started the chain ($mode${*:+: $*}; pid $!), log $RUN_DIR/$LOG"
+  detach "$mode" "$@"
+  echo "started the chain ($mode${*:+: $*}; pid $(cat "$PIDFILE")), log $RUN_DIR/$LOG"
 }
 
 status() {
-  local wait_s=${1:-0} t0=$SECONDS run f
+  local run f
   cd "$RUN_DIR" 2>/dev/null || { echo "not started (no $RUN_DIR)"; exit 1; }
   [ -f "$PIDFILE" ] || [ -f "$STEPS" ] || { echo "not started (no $PIDFILE)"; exit 1; }
-  running() { [ -f "$PIDFILE" ] && kill -0 "$(cat "$PIDFILE")" 2>/dev/null; }
-  while running && [ $((SECONDS - t0)) -lt "$wait_s" ]; do sleep 5; done
-  running && echo "RUNNING after $((SECONDS - t0)) s of waiting" || echo ENDED
+  wait_chain "${1:-0}"
   cat "$LOG"; echo "--- steps"; cat "$STEPS" 2>/dev/null
   f=$(ls -t results/size-*.log results/regenerate.log 2>/dev/null | head -n 1)
   [ -z "$f" ] || { echo "--- $f"; grep -E "^\[|rule |Finished job|Error|error|steps \(" "$f" | tail -n 12; }

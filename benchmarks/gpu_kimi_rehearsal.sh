@@ -17,15 +17,12 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-STAGE=${STAGE_DIR:-/tmp/stage}
+CHAIN=kimi_rehearsal
 RUN_DIR=${RUN_DIR:-/tmp/kimi-rehearsal}
-LOG=results/kimi_rehearsal.log
-STEPS=results/kimi_rehearsal_steps.tsv
-PIDFILE=results/kimi_rehearsal.pid
 MODEL=results/models/kimi-k2.5-width
 RUN=kimi-rehearsal
 BENCH=results/bench_extraction   # on the shard disk, as the pipeline's shards
-source benchmarks/device_chain.sh  # step, chain_running, install_staged
+source benchmarks/device_chain.sh  # STAGE, LOG, STEPS, PIDFILE; usage, step, chain_running, detach, wait_chain, install_staged
 
 disk() {  # the shard disk's sequential write + fsync bandwidth, 4 GiB (what a shard write costs)
   dd if=/dev/zero of=results/disk_speed.bin bs=64M count=64 conv=fsync 2>&1 | tail -n 1
@@ -57,17 +54,14 @@ start() {
   cd "$RUN_DIR" && mkdir -p results
   chain_running && return
   install_staged
-  setsid nohup bash benchmarks/gpu_kimi_rehearsal.sh chain > "$LOG" 2>&1 < /dev/null &
-  echo $! > "$PIDFILE"
-  echo "started the chain (pid $!), log $LOG"
+  detach
+  echo "started the chain (pid $(cat "$PIDFILE")), log $LOG"
 }
 
 status() {
-  local wait_s=${1:-0} t0=$SECONDS
   cd "$RUN_DIR"
   [ -f "$PIDFILE" ] || { echo "not started (no $PIDFILE)"; exit 1; }
-  while kill -0 "$(cat "$PIDFILE")" 2>/dev/null && [ $((SECONDS - t0)) -lt "$wait_s" ]; do sleep 5; done
-  kill -0 "$(cat "$PIDFILE")" 2>/dev/null && echo "RUNNING after $((SECONDS - t0)) s of waiting" || echo ENDED
+  wait_chain "${1:-0}"
   cat "$LOG"; echo "--- steps"; cat "$STEPS" 2>/dev/null
   echo "--- snakemake"; grep -E "^\[|^rule |Finished job|Error|error" results/pipeline.log 2>/dev/null | tail -n 12
   echo "--- stage seconds"
@@ -89,5 +83,5 @@ case "${1:-}" in
   start) start ;;
   chain) chain ;;
   status) shift; status "$@" ;;
-  *) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 2 ;;
+  *) usage 2 ;;
 esac
