@@ -35,6 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from eaglepipe.regeneration import PART_NAME  # noqa: E402
+from eaglepipe.serving_sweep import measured_point  # noqa: E402
 
 STOP_GAIN = 0.02  # issue 45: stop when doubling the unique conversations adds less than 2 % online AL
 
@@ -178,12 +179,6 @@ def per_set(strata: dict | None) -> dict[str, dict]:
     return ((strata or {}).get("prompt_set")) or {}
 
 
-def serving_point(serving: dict | None, k: int) -> dict:
-    """The concurrency-1 point at K of a serving.json ({} when not served)."""
-    points = (serving or {}).get("points") or []
-    return next((p for p in points if p.get("concurrency") == 1 and p.get("k") == k), {})
-
-
 def curve_row(run: Path, k: int, steps: dict[str, dict], logs: Path | None) -> dict:
     regen = read_json(run / "regenerated/stats.json") or {}
     data = read_json(run / "data/stats.json") or {}
@@ -193,7 +188,7 @@ def curve_row(run: Path, k: int, steps: dict[str, dict], logs: Path | None) -> d
     parity = read_json(run / "eval/parity.json")
     budget = summary.get("disk_budget") or {}
     train = (data.get("splits") or {}).get("train") or {}
-    point = serving_point(serving, k)
+    point = measured_point(serving, k)
     name = run.name
     # the size's step: its run without the disk budget when the chain fell back to one
     key = next((s for s in (f"size-{name}-nobudget", f"size-{name}") if s in steps), f"size-{name}")

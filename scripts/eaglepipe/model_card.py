@@ -33,7 +33,7 @@ from .atomic import atomic_path, read_json_object, write_json
 from .config_check import target_config_path
 from .layers import CONVENTION
 from .serving_limits import NORM_FLAGS, VLLM_VERSION, eagle3_target_error
-from .serving_sweep import serve_command
+from .serving_sweep import measured_point, serve_command
 from .settings import add_stage_arguments
 from .units import human_bytes
 
@@ -236,8 +236,7 @@ def prompt_set_table(offline: dict, serving: dict | None) -> list[str]:
     per_set = (offline.get("strata") or {}).get("prompt_set")
     if not per_set:
         return []
-    online = next((p for p in (serving or {}).get("points", [])
-                   if p.get("concurrency") == 1 and p.get("k") == offline.get("k")), {}).get("by_prompt_set") or {}
+    online = measured_point(serving, offline.get("k")).get("by_prompt_set") or {}
     lines = ["", f"Acceptance length per evaluation set (k={offline.get('k')}):", "",
              "| set | offline, per token | offline, as served | vLLM, concurrency 1 |", "| --- | --- | --- | --- |"]
     for name, s in per_set.items():
@@ -250,9 +249,8 @@ def offline_vs_online(offline: dict, serving: dict) -> list[str]:
     """The offline estimate as served beside vLLM's acceptance length at the same K, concurrency 1
     (how far the offline figure can be trusted); nothing when the two were taken at different K."""
     as_served = offline.get("as_served")
-    online = next((p for p in serving.get("points", [])
-                   if p.get("concurrency") == 1 and p.get("k") == offline.get("k")), None)
-    if not as_served or not online or not online.get("acceptance_length"):
+    online = measured_point(serving, offline.get("k"))
+    if not as_served or not online.get("acceptance_length"):
         return []
     ratio = as_served["acceptance_length"] / online["acceptance_length"]
     return [f"- offline vs online at K={offline['k']}, concurrency 1: {as_served['acceptance_length']} as served "

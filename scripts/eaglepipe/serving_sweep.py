@@ -193,6 +193,13 @@ def point_row(concurrency: int, k: int | None, window: dict) -> dict:
     return row
 
 
+def measured_point(serving: dict | None, k: int | None, concurrency: int = 1) -> dict:
+    """A serving.json's measured point at ``k`` (None: the target alone) and ``concurrency``; {} when
+    that point was not timed (or nothing was served)."""
+    return next((p for p in (serving or {}).get("points") or []
+                 if p.get("concurrency") == concurrency and p.get("k") == k), {})
+
+
 def sweep_rows(baseline: dict, speculative: dict[int, dict]) -> list[dict]:
     """Rows of every point: the baseline's, then each K's with its speedup over the baseline at the
     same concurrency. ``baseline``/``speculative[k]``: engine records with ``points`` keyed by
