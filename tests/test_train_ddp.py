@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tiny_stages import make_run, train_argv
+from workflow import alive, children
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -65,17 +66,6 @@ def test_each_rank_packing_its_rows_in_a_worker_process_trains_the_same_weights(
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def children(pid: int) -> set[int]:
-    return {int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()}
-
-
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 @pytest.mark.e2e  # torchrun, killed, and its rerun: ~45 s
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_the_ranks_die_with_a_killed_torchrun_and_the_rerun_resumes(run, tmp_path):
@@ -91,7 +81,7 @@ def test_the_ranks_die_with_a_killed_torchrun_and_the_rerun_resumes(run, tmp_pat
         while not list((out / "checkpoints").glob("step-*")):  # training, past its first checkpoint
             assert launcher.poll() is None and time.monotonic() < deadline
             time.sleep(0.2)
-        ranks = children(launcher.pid)
+        ranks = set(children(launcher.pid))
         assert len(ranks) == 2
         launcher.kill()  # kill -9 of torchrun alone
         launcher.wait()

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from eaglepipe.writer_pool import make_pool
+from workflow import alive, children
 
 REPO = Path(__file__).resolve().parents[1]
 PARENT = """
@@ -21,26 +22,6 @@ for f in [pool.submit(sum, [i]) for i in range(4)]:
 print("ready", flush=True)
 sys.stdin.read()  # idle writers wait for jobs, as during a long backend step
 """
-
-
-def children(pid: int) -> list[int]:
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:  # exited meanwhile
-            continue
-        if int(fields[1]) == pid:
-            out.append(int(stat.parent.name))
-    return out
-
-
-def alive(pid: int) -> bool:
-    """Running, not a zombie left for a reaper (a container's init may never reap)."""
-    try:
-        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the parent-death signal is Linux's")

@@ -134,6 +134,27 @@ def start_snakemake(ws: Path, *args: str) -> subprocess.Popen:
         return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
 
 
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid``."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # exited meanwhile
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def alive(pid: int) -> bool:
+    """Running, not a zombie left for a reaper (a container's init may never reap)."""
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def descendants(pid: int) -> list[int]:
     """Every process below ``pid`` (Snakemake starts jobs from several threads: all are looked at)."""
     found = []
