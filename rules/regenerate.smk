@@ -30,6 +30,8 @@ EVAL_PROMPTS_SAMPLING = {
 EVAL_WITH_CHATS = bool(
     config["regenerate"]["enabled"] and config["evaluate"]["prompts"]
 )
+# the target writes user turns of its own (regenerate.new_user_turns) before answering the chats
+NEW_USER_TURNS = config["regenerate"]["new_user_turns"]["count"] > 0
 # the chat files among the fixed evaluation sets (the packages' sets are no job input)
 EVAL_PROMPTS_SOURCE = [p for p in EVAL_PROMPT_SETS if not p.startswith("package:")]
 # regenerate.modes as the CLI takes them: data.chat_template_kwargs under each mode's own
@@ -124,6 +126,7 @@ rule regenerate_responses:
         settings=get_setting_flags(
             "regenerate_responses",
             "answers",
+            *(["new_user_turns"] if NEW_USER_TURNS else []),
             overrides={"regenerate.modes": REGENERATE_MODES},
         ),
         eval_data=EVAL_PROMPT_SETS if EVAL_WITH_CHATS else "",

@@ -288,6 +288,13 @@ def test_regenerate_settings_that_contradict_each_other_are_refused():
         "never asked again"]
     cfg["regenerate"] = {"loop_retries": 2, "answers_per_conversation": 2}
     assert config_errors(cfg, schema) == []
+    # written user turns are answered by the regeneration that writes them
+    cfg["regenerate"] = {"new_user_turns": {"count": 100}}
+    assert config_errors(cfg, schema) == [
+        "config key regenerate.new_user_turns.count = 100 needs regenerate.enabled: true (the target writes the "
+        "turns in regeneration, which answers them)"]
+    cfg["regenerate"] = {"enabled": True, "new_user_turns": {"count": 100}}
+    assert config_errors(cfg, schema) == []
 
 
 def test_muon_weight_decay_needs_the_muon_optimizer():

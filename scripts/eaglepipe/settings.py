@@ -80,6 +80,10 @@ STAGE_SETTINGS: dict[str, dict[str, tuple[Group, ...]]] = {
                           "max_new_tokens", "on_truncated", "on_loop", "loop_ngram", "loop_min_distinct_share",
                           "answers_per_conversation", "loop_retries", "batch_size")),
         "engine": (_ENGINE, _KV_CACHE, group("regenerate", "hf_batch_size")),
+        # given only when regenerate.new_user_turns.count > 0 (rule regenerate_responses): a run
+        # without written turns keeps the flags, and so the params, it had before the setting
+        "new_user_turns": (group("regenerate.new_user_turns", "count", "temperature", "top_p", "max_new_tokens",
+                                 prefix="new-user-turns-"),),
         # The fixed evaluation set answered by the same engine (rule regenerate_responses when
         # evaluate.prompts is set): its own values of the sampling keys, as --eval-<key>. The rule gives
         # them from its EVAL_PROMPTS_SAMPLING (greedy, first turn, ...), never the config's values.

@@ -67,6 +67,10 @@ def test_rules_rerun_on_their_own_sampling_changes_only(tmp_path, tiny_llama):
 
     jobs, _, _ = dry_run(ws)
     assert not {"regenerate_responses", "prepare_data"} & set(jobs)
+    # written user turns reach the stage as flags, and only when asked for (a run without them keeps its params)
+    written = "regenerate=" + json.dumps({**regenerate, "new_user_turns": {"count": 3, "temperature": 0.8}})
+    out = snakemake(ws, "-n", "-p", "--config", written, "--", "results/tiny/data/train.jsonl").stdout
+    assert "--new-user-turns-count 3 --new-user-turns-temperature 0.8 --new-user-turns-top-p 1.0" in out, out
     jobs, reasons, out = dry_run(ws, "--config", "regenerate=" + json.dumps({**regenerate, "temperature": 0.9}))
     assert {"regenerate_responses", "prepare_data"} <= set(jobs), out
     assert any("regenerate_responses" in rules for reason, rules in reasons.items() if "params" in reason.lower()), out
