@@ -11,6 +11,10 @@
         engine. --shards-from also gives it the eval shards of a run that
         extracted them (the same fixed set and extraction settings in every size): its extraction
         reuses them all and, under a disk budget, does not start the target.
+    python3 benchmarks/data_curve.py steps RUN_DIR --passes P --row-tokens T
+        The training steps that make P passes over a prepared run's train tokens (its
+        data/stats.json) in rows of about T tokens: the steps of the size whose data is known only
+        once made (the "new" size: every record and user turns the target writes itself).
     python3 benchmarks/data_curve.py curve RUN_DIR... [--steps TSV] [--logs DIR] [--k 3] [--json OUT] [--md OUT]
         The curve: per run its data (records read, conversations kept, samples, train tokens),
         training (steps, tokens seen, passes, the budget's window), offline AL (overall and per
@@ -115,6 +119,16 @@ def seed_regeneration(source: Path, dest: Path, records: int) -> dict:
         link(p, dest / "regenerated/eval_prompts-parts" / p.name)
     return {"source": str(source), "records": records, "parts": linked, "records_covered": covered,
             "eval_parts": len(evals)}
+
+
+def steps_for(run: Path, passes: float, row_tokens: int) -> int:
+    """Steps of ``row_tokens`` that make ``passes`` passes over the run's prepared train tokens."""
+    stats = run / "data/stats.json"
+    try:
+        tokens = json.loads(stats.read_text())["splits"]["train"]["tokens"]
+    except (OSError, KeyError, ValueError) as e:
+        raise SystemExit(f"{stats}: no train tokens ({type(e).__name__}: {e}); prepare the run's data first") from e
+    return max(1, math.ceil(passes * tokens / row_tokens))
 
 
 # ---------------------------------------------------------------------------------- curve
@@ -299,6 +313,10 @@ def main(argv=None) -> None:
     s.add_argument("--source", type=Path, help="the full run's directory, whose regeneration to give it")
     s.add_argument("--records", type=int, help="with --source: the run's data.max_samples")
     s.add_argument("--shards-from", type=Path, help="a run directory whose eval shards to give it")
+    t = sub.add_parser("steps", help="the steps that make PASSES passes over a prepared run's train tokens")
+    t.add_argument("run", type=Path)
+    t.add_argument("--passes", type=float, required=True)
+    t.add_argument("--row-tokens", type=int, required=True, help="tokens a training row holds, on average")
     c = sub.add_parser("curve", help="the curve of finished runs, and the stopping rule")
     c.add_argument("runs", type=Path, nargs="+")
     c.add_argument("--k", type=int, default=3)
@@ -315,6 +333,11 @@ def main(argv=None) -> None:
         if args.source is None and args.shards_from is None:
             ap.error("nothing to give: --source/--records, --shards-from or both")
         seed(args.dest, args.source, args.records, args.shards_from)
+        return
+    if args.command == "steps":
+        if args.passes <= 0 or args.row_tokens < 1:
+            ap.error("--passes must be > 0 and --row-tokens >= 1")
+        print(steps_for(args.run, args.passes, args.row_tokens))
         return
     result = curve(args.runs, args.k, args.steps, args.logs)
     table = markdown(result["rows"], result["stopping_rule"], args.k, result["chain_steps"])

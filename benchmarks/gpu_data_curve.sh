@@ -17,7 +17,10 @@
 #       the eval shards of the size before (benchmarks/data_curve.py seed), so they generate nothing
 #       and extract no eval shard. `start regen` stops after the pack; `start curve [SIZE...]`
 #       starts from parts brought back (regen.tgz.* in STAGE_DIR, default /tmp/stage) instead of
-#       regenerating, and runs the sizes given.
+#       regenerating, and runs the sizes given. The size `new` runs only when named: every record and
+#       CURVE_NEW_TURNS (17,672) user turns the target writes itself (regenerate.new_user_turns),
+#       the issue's point beyond the data; its steps make CURVE_PASSES (1.5) passes over its own train
+#       tokens, counted once its data is prepared (data_curve.py steps)
 #   bash benchmarks/gpu_data_curve.sh status [WAIT_S]   waits up to WAIT_S s for the chain to end,
 #       prints its progress and the curve so far, and copies to $OUT: data_curve.tgz (the small
 #       results), data_curve.md (the curve) and the regenerated parts once packed, regen.tgz.NN
@@ -40,6 +43,9 @@ OVERLAY=${CURVE_OVERLAY:-benchmarks/data_curve.yaml}
 FULL=curve-all            # the overlay's run_name: every record; its regeneration is the one made
 # size:train.max_steps (~1.5 passes; benchmarks/data_curve.yaml says how); "all" is the overlay's own
 read -r -a SIZES <<< "${CURVE_SIZES:-2000:110 6000:320 all}"
+NEW_TURNS=${CURVE_NEW_TURNS:-17672}  # the size "new": as many written user turns as records
+PASSES=${CURVE_PASSES:-1.5}
+ROW_TOKENS=${CURVE_ROW_TOKENS:-7900}  # a row's tokens: 8,192 filled ~96 % (benchmarks/data_curve.yaml's table)
 PACK=results/regen-pack   # the full run's regenerated parts, packed to be brought back
 PIECE_MB=15               # $OUT brings back files of at most 16 MiB, 64 MiB and 8 files in all
 RETURN_MB=48              # the most of them one status call returns (beside the results)
@@ -48,8 +54,13 @@ SNAKEMAKE=(python3 -m snakemake --cores all --resources gpu=1 --rerun-incomplete
 
 run_of() { [ "$1" = all ] && echo "$FULL" || echo "curve-$1"; }
 
-size_args() {  # the --config words of a size, one a line
+size_args() {  # the --config words of a size, one a line (the size "new": its steps come later)
   local spec
+  if [ "$1" = new ]; then
+    echo "run_name=$(run_of new)"
+    echo "regenerate={\"new_user_turns\": {\"count\": $NEW_TURNS}}"
+    return 0
+  fi
   for spec in "${SIZES[@]}"; do
     [ "${spec%%:*}" = "$1" ] || continue
     [ "$1" = all ] && return 0
@@ -58,7 +69,7 @@ size_args() {  # the --config words of a size, one a line
     echo "train={\"max_steps\": ${spec#*:}}"
     return 0
   done
-  echo "no size '$1' (sizes: ${SIZES[*]%%:*})" >&2
+  echo "no size '$1' (sizes: ${SIZES[*]%%:*} new)" >&2
   return 1
 }
 
@@ -88,10 +99,20 @@ snakemake_size() {  # snakemake_size SIZE [--config words...]: one size's run, t
   mapfile -t config < <(size_args "$size")
   config+=("$@")
   if [ "$run" != "$FULL" ]; then
-    python3 benchmarks/data_curve.py seed --source "results/$FULL" --records "$size" --dest "results/$run" \
+    local records=$size  # "new" reads every record, as the full run did
+    [ "$size" != new ] || records=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["read"])' \
+      "results/$FULL/regenerated/stats.json") || return 1
+    python3 benchmarks/data_curve.py seed --source "results/$FULL" --records "$records" --dest "results/$run" \
       ${SHARDS_FROM:+--shards-from "results/$SHARDS_FROM"} || return 1
   elif [ -n "${SHARDS_FROM:-}" ]; then
     python3 benchmarks/data_curve.py seed --dest "results/$run" --shards-from "results/$SHARDS_FROM" || return 1
+  fi
+  if [ "$size" = new ]; then  # its data first: its steps follow from its train tokens
+    "${SNAKEMAKE[@]}" --config "${config[@]}" -- "results/$run/data/stats.json" || return 1
+    local steps
+    steps=$(python3 benchmarks/data_curve.py steps "results/$run" --passes "$PASSES" --row-tokens "$ROW_TOKENS") \
+      || return 1
+    config+=("train={\"max_steps\": $steps}")
   fi
   # --keep-going: a failed parity check (run after serving) still leaves the card and the plots
   "${SNAKEMAKE[@]}" --keep-going ${config[@]:+--config "${config[@]}"}
@@ -120,7 +141,7 @@ run_size() {
 
 curve_table() {
   local runs=() spec
-  for spec in "${SIZES[@]}"; do
+  for spec in "${SIZES[@]}" new; do
     [ -d "results/$(run_of "${spec%%:*}")" ] && runs+=("results/$(run_of "${spec%%:*}")")
   done
   [ ${#runs[@]} -gt 0 ] || return 0

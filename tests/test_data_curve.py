@@ -269,3 +269,13 @@ def test_the_curve_applies_the_stopping_rule_per_doubling_of_the_conversations(t
     table = data_curve.markdown(result["rows"], result["stopping_rule"], 3, result["chain_steps"])
     assert "| curve-6000 | 6,000 | 3,000 |" in table and "online mtbench" in table and "offline humaneval" in table
     assert "size-curve-all 700 (rc 1)" in table
+
+
+def test_steps_make_the_passes_over_a_prepared_runs_train_tokens(tmp_path):
+    run = tmp_path / "curve-new"
+    with pytest.raises(SystemExit, match="prepare the run's data first"):
+        data_curve.steps_for(run, 1.5, 7900)
+    (run / "data").mkdir(parents=True)
+    (run / "data/stats.json").write_text(json.dumps({"splits": {"train": {"tokens": 4_980_000}}}))
+    assert data_curve.steps_for(run, 1.5, 7900) == 946  # the overlay's 950 for its estimate of all records
+    assert data_curve.steps_for(run, 1e-9, 7900) == 1

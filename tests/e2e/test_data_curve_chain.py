@@ -65,6 +65,7 @@ def workspace(root: Path, target: Path) -> Path:
 
 def chain(ws: Path, *args: str, stage: Path, out: Path | None = None, verb: str = "chain") -> str:
     env = {**os.environ, "CURVE_PRESET": "preset.yaml", "CURVE_OVERLAY": "overlay.yaml", "CURVE_SIZES": "12:4 all",
+           "CURVE_NEW_TURNS": "3", "CURVE_PASSES": "1", "CURVE_ROW_TOKENS": "120",
            "RUN_DIR": str(ws), "STAGE_DIR": str(stage),
            "PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")}
     env.pop("PYTHONPATH", None)  # the rules put the copy's scripts/ first
@@ -137,14 +138,26 @@ def test_the_chain_regenerates_once_and_each_size_reuses_it(tmp_path, tiny_llama
     assert {"data_curve_steps.tsv", "curve-12/train/summary.json", "curve-all/eval/offline.json",
             "curve-all/regenerated/stats.json", "size-curve-12.log"} <= names
 
-    # a fresh machine given the pack: the full run's outputs again, nothing generated
+    # a fresh machine given the pack: the full run's outputs again, nothing generated; then the size
+    # beyond the data, every record and the user turns the target writes itself
     ws2 = workspace(tmp_path / "ws2", tiny_llama)
     for piece in returned.glob("regen.tgz.*"):
         shutil.copy2(piece, stage / piece.name)
-    out = chain(ws2, "regen", stage=stage)
-    assert steps(ws2) == {"unpack": "0", "regenerate": "0", "curve": "0"}, out
+    out = chain(ws2, "curve", "new", stage=stage)
+    assert steps(ws2) == {"unpack": "0", "regenerate": "0", "size-curve-new": "0", "curve": "0"}, out
     again = stats(ws2, "curve-all")
     assert again["run"]["parts_written"] == 0 and again["run"]["parts_reused"] == 6
     assert (ws2 / "results/curve-all/regenerated/chats.jsonl").read_text().splitlines() == full_chats
+    new = stats(ws2, "curve-new")
+    written = new["new_user_turns"]
+    assert written["asked"] == 3 and new["read"] == 24 + written["kept"]
+    assert new["run"]["parts_reused"] == 6  # the data's parts were given; only the written turns were answered
+    run = ws2 / "results/curve-new"
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import data_curve
+    # its steps: one pass (CURVE_PASSES) over its own train tokens in rows of 120
+    assert json.loads((run / "train/summary.json").read_text())["steps"] == data_curve.steps_for(run, 1, 120)
+    assert [r["run"] for r in json.loads((ws2 / "results/data_curve.json").read_text())["rows"]] == [
+        "curve-all", "curve-new"]
     with tarfile.open(fileobj=io.BytesIO((returned / "regen.tgz.00").read_bytes())) as t:
         assert sum(n.startswith("chats-parts/") and n.endswith(".json") for n in t.getnames()) == 6
