@@ -195,6 +195,15 @@ def test_every_target_load_is_in_the_card_and_the_runs_summary_once(run):
     assert [(r["stage"], r["seconds"]) for r in summary["loads"]] == rows
 
 
+def test_the_user_turns_the_target_wrote_are_in_the_card(run):
+    (run / "regenerated").mkdir()
+    stats = run / "regenerated/stats.json"
+    stats.write_text(json.dumps({"new_user_turns": {"asked": 100, "kept": 61, "dropped_by_reason": {"loop": 39}}}))
+    assert ("- of them, user turns the target wrote itself (regenerate.new_user_turns): 61 kept of 100 asked "
+            "(dropped: {'loop': 39})") in write_card(run, "--regeneration-stats", str(stats))
+    assert "new_user_turns" not in write_card(run)
+
+
 def test_a_run_without_recorded_loads_has_no_loads_table(run):
     assert "## Target loads" not in write_card(run)
     # regeneration stats written before loads were recorded: the load is listed, its seconds unknown

@@ -164,8 +164,10 @@ def disk_budget_lines(budget: dict | None) -> list[str]:
 
 def card(config: dict, summary: dict, which: str, data_stats: dict, offline: dict, serving: dict | None,
          draft_dir: Path, tensor_parallel_size: int, trust_remote_code: bool, where: dict[str, str],
-         refused: str | None = None, loads: list[dict] | None = None, parity: dict | None = None) -> str:
-    """The card's text; ``refused`` (unservable()'s reason) replaces the serve command, which could not work."""
+         refused: str | None = None, loads: list[dict] | None = None, parity: dict | None = None,
+         written: dict | None = None) -> str:
+    """The card's text; ``refused`` (unservable()'s reason) replaces the serve command, which could not work;
+    ``written``: the regeneration's record of the user turns the target wrote itself."""
     spec = _field(config, "speculators_config", where["config"])
     verifier = spec["verifier"]["name_or_path"]
     export_k = spec["proposal_methods"][0]["speculative_tokens"]
@@ -202,6 +204,8 @@ def card(config: dict, summary: dict, which: str, data_stats: dict, offline: dic
         f"- data: {data_stats.get('read', 'n/a')} conversations read, {data_stats.get('kept', 'n/a')} kept, "
         f"skipped {data_stats.get('skipped', {})}",
         assistant_tokens_line(data_stats.get("assistant")),
+        *([f"- of them, user turns the target wrote itself (regenerate.new_user_turns): {written['kept']} kept of "
+           f"{written['asked']} asked (dropped: {written['dropped_by_reason'] or 'none'})"] if written else []),
         *disk_budget_lines(summary.get("disk_budget")),
         f"- acceptance length at that checkpoint's eval (bonus token counted): {ev.get('acceptance_length', 'n/a')}",
         "",
@@ -306,15 +310,16 @@ def main(argv: list[str] | None = None) -> None:
         def optional(path, what):
             return read_json_object(Path(path), what, CardError) if path else None
 
-        loads = target_loads([read_json_object(Path(f), "regeneration stats", CardError)
-                              for f in args.regeneration_stats],
+        regeneration = [read_json_object(Path(f), "regeneration stats", CardError) for f in args.regeneration_stats]
+        loads = target_loads(regeneration,
                              optional(args.manifest, "extraction manifest"),
                              inputs["summary"].get("disk_budget"), inputs.get("serving"),
                              optional(args.parity_manifest, "parity extraction manifest"))
         text = card(inputs["config"], inputs["summary"], args.which, stats, inputs["offline"],
                     inputs.get("serving"), Path(args.draft_config).parent, args.tensor_parallel_size,
                     args.trust_remote_code, where, unservable(_field(inputs["summary"], "target_model", args.summary)),
-                    loads, optional(args.parity, "parity gate"))
+                    loads, optional(args.parity, "parity gate"),
+                    next((r["new_user_turns"] for r in regeneration if "new_user_turns" in r), None))
     except CardError as e:
         raise SystemExit(f"model_card: {e}") from None
     with atomic_path(args.out) as tmp:
