@@ -15,13 +15,16 @@
         The training steps that make P passes over a prepared run's train tokens (its
         data/stats.json) in rows of about T tokens: the steps of the size whose data is known only
         once made (the "new" size: every record and user turns the target writes itself).
-    python3 benchmarks/data_curve.py curve RUN_DIR... [--steps TSV] [--logs DIR] [--k 3] [--json OUT] [--md OUT]
+    python3 benchmarks/data_curve.py curve RUN_DIR... [--steps TSV] [--logs DIR] [--k 3] [--json OUT] [--md OUT] \
+        [--svg OUT]
         The curve: per run its data (records read, conversations kept, samples, train tokens),
         training (steps, tokens seen, passes, the budget's window), offline AL (overall and per
         fixed set) and online AL at concurrency 1 and K (per set), the wall time of each stage
         (Snakemake's job start and finish in the size's log under --logs, else its benchmark files)
         and the issue's stopping rule: the online AL gained per doubling of the conversations kept,
-        against 2 %.
+        against 2 %. --svg: the curve as a figure, AL against the conversations kept beside each
+        run's held-out AL during its training against the tokens it had seen (where the sizes' points
+        lie on one another's training curves, the steps, not the unique data, made the difference).
 """
 
 from __future__ import annotations
@@ -129,6 +132,54 @@ def steps_for(run: Path, passes: float, row_tokens: int) -> int:
     except (OSError, KeyError, ValueError) as e:
         raise SystemExit(f"{stats}: no train tokens ({type(e).__name__}: {e}); prepare the run's data first") from e
     return max(1, math.ceil(passes * tokens / row_tokens))
+
+
+# ---------------------------------------------------------------------------------- figure
+def training_curve(run: Path) -> tuple[list[int], list[float]]:
+    """(tokens seen, held-out AL as served) at each of the run's evaluations (train/metrics.jsonl)."""
+    tokens, points = {0: 0}, []
+    try:
+        lines = (run / "train/metrics.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return [], []
+    for line in lines:
+        row = json.loads(line)
+        if row.get("split") == "train" and "train_tokens" in row:
+            tokens[row["step"]] = row["train_tokens"]
+        elif row.get("split") == "eval" and isinstance(row.get("as_served"), dict):
+            points.append((row["step"], row["as_served"]["acceptance_length"]))
+    seen = [(tokens[step], al) for step, al in points if step in tokens]
+    return [t for t, _ in seen], [al for _, al in seen]
+
+
+def figure(rows: list[dict], runs: list[Path], k: int, path: Path) -> None:
+    from eaglepipe.plots import plt, save_svg
+
+    fig, (by_data, by_tokens) = plt.subplots(1, 2, figsize=(12, 4.5))
+    kept = [r for r in rows if r["conversations_kept"]]
+    for key, label, style in (("online_al", f"online, concurrency 1, K={k}", dict(marker="o")),
+                              ("offline_al_as_served", "offline, as served", dict(marker="s", fillstyle="none"))):
+        points = [(r["conversations_kept"], r[key], r) for r in kept if r[key]]
+        if points:
+            by_data.plot([x for x, _, _ in points], [y for _, y, _ in points], label=label, **style)
+    for r in kept:
+        al = r["online_al"] or r["offline_al_as_served"]
+        if al:
+            passes = "?" if r["passes"] is None else f"{r['passes']:.2f}"
+            by_data.annotate(f"{r['steps']} steps, {passes} passes", (r["conversations_kept"], al),
+                             textcoords="offset points", xytext=(4, -12), fontsize=8)
+    by_data.set_xscale("log", base=2)
+    by_data.set(xlabel="conversations kept (log2)", ylabel="acceptance length", title="AL against unique data")
+    by_data.legend(fontsize=8)
+    for run in runs:
+        x, y = training_curve(run)
+        if x:
+            by_tokens.plot([t / 1e6 for t in x], y, marker=".", label=run.name)
+    by_tokens.set(xlabel="tokens seen (millions)", ylabel="held-out AL, as served",
+                  title="each run's AL during training")
+    by_tokens.legend(fontsize=8)
+    fig.tight_layout()
+    save_svg(fig, path)
 
 
 # ---------------------------------------------------------------------------------- curve
@@ -324,6 +375,7 @@ def main(argv=None) -> None:
     c.add_argument("--logs", type=Path, help="where the chain's size-RUN.log (Snakemake's output) are")
     c.add_argument("--json", type=Path)
     c.add_argument("--md", type=Path)
+    c.add_argument("--svg", type=Path, help="the curve as a figure")
     args = ap.parse_args(argv)
     if args.command == "seed":
         if (args.source is None) != (args.records is None):
@@ -345,6 +397,8 @@ def main(argv=None) -> None:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     if args.md:
         args.md.write_text(table)
+    if args.svg:
+        figure(result["rows"], args.runs, args.k, args.svg)
     print(table)
 
 

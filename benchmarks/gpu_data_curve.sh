@@ -23,7 +23,7 @@
 #       tokens, counted once its data is prepared (data_curve.py steps)
 #   bash benchmarks/gpu_data_curve.sh status [WAIT_S]   waits up to WAIT_S s for the chain to end,
 #       prints its progress and the curve so far, and copies to $OUT: data_curve.tgz (the small
-#       results), data_curve.md (the curve) and the regenerated parts once packed, regen.tgz.NN
+#       results), data_curve.md and .svg (the curve) and the regenerated parts once packed, regen.tgz.NN
 #       (pieces of at most 15 MiB, only while they fit what a call brings back; NO_PACK=1 leaves
 #       them out once saved)
 #   bash benchmarks/gpu_data_curve.sh args SIZE    the snakemake --config words of a size (any host)
@@ -146,7 +146,7 @@ curve_table() {
   done
   [ ${#runs[@]} -gt 0 ] || return 0
   python3 benchmarks/data_curve.py curve "${runs[@]}" --steps "$STEPS" --logs results \
-    --json results/data_curve.json --md results/data_curve.md
+    --json results/data_curve.json --md results/data_curve.md --svg results/data_curve.svg
 }
 
 chain() {
@@ -218,7 +218,7 @@ status() {
             "$run"/draft/export.json "$run"/summary.json "$run"/report)
   done
   (cd results && tar -czf "$OUT/data_curve.tgz" --ignore-failed-read "${small[@]}" 2>/dev/null) || true
-  [ -f results/data_curve.md ] && cp results/data_curve.md "$OUT/"
+  for f in results/data_curve.md results/data_curve.svg; do [ ! -f "$f" ] || cp "$f" "$OUT/"; done
   if compgen -G "$PACK/regen.tgz.*" > /dev/null && [ -z "${NO_PACK:-}" ]; then
     local mb n
     mb=$(( ($(cat "$PACK"/regen.tgz.* | wc -c) + 1048575) / 1048576 )); n=$(ls "$PACK"/regen.tgz.* | wc -l)

@@ -279,3 +279,14 @@ def test_steps_make_the_passes_over_a_prepared_runs_train_tokens(tmp_path):
     (run / "data/stats.json").write_text(json.dumps({"splits": {"train": {"tokens": 4_980_000}}}))
     assert data_curve.steps_for(run, 1.5, 7900) == 946  # the overlay's 950 for its estimate of all records
     assert data_curve.steps_for(run, 1e-9, 7900) == 1
+
+
+def test_a_runs_training_curve_pairs_each_evaluation_with_the_tokens_seen_by_then(tmp_path):
+    rows = [{"step": 0, "split": "eval", "as_served": {"acceptance_length": 1.0}},
+            {"step": 1, "split": "train", "train_tokens": 8000}, {"step": 2, "split": "train", "train_tokens": 16100},
+            {"step": 2, "split": "eval", "as_served": {"acceptance_length": 1.4}},
+            {"step": 3, "split": "eval", "as_served": {"acceptance_length": 9.9}}]  # no train row: left out
+    (tmp_path / "train").mkdir()
+    (tmp_path / "train/metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert data_curve.training_curve(tmp_path) == ([0, 16100], [1.0, 1.4])
+    assert data_curve.training_curve(tmp_path / "none") == ([], [])

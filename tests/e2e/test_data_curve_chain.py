@@ -132,7 +132,9 @@ def test_the_chain_regenerates_once_and_each_size_reuses_it(tmp_path, tiny_llama
     returned.mkdir()
     status = chain(ws, stage=stage, out=returned, verb="status")
     assert "ENDED" in status and "regenerated parts returned: 1 piece(s)" in status, status
-    assert sorted(p.name for p in returned.iterdir()) == ["data_curve.md", "data_curve.tgz", "regen.tgz.00"]
+    assert sorted(p.name for p in returned.iterdir()) == ["data_curve.md", "data_curve.svg", "data_curve.tgz",
+                                                          "regen.tgz.00"]
+    assert "each run's AL during training" in (returned / "data_curve.svg").read_text()
     with tarfile.open(returned / "data_curve.tgz") as t:
         names = set(t.getnames())
     assert {"data_curve_steps.tsv", "curve-12/train/summary.json", "curve-all/eval/offline.json",
