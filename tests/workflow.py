@@ -46,10 +46,15 @@ def write_config(ws: Path, cfg: dict) -> None:
 
 
 def finished_config(target: Path, chats: Path, **train) -> dict:
-    """The finished tiny run's settings (finish_tiny_run): tests/configs/tiny.yaml trained long
-    enough to be killed between checkpoints (tests/e2e/test_faults.py), with ``train`` on top."""
+    """The finished tiny run's settings (finish_tiny_run), ``train`` on top: tests/configs/tiny.yaml
+    with two samples a shard and short rows (a dozen shards, a few of them in flight at a time under
+    tests/e2e/test_disk_budget.py's budget), each shard's samples shuffled alone (shuffle_buffer_gib
+    0, so the budget keeps the order), trained long enough to be killed between checkpoints
+    (tests/e2e/test_faults.py)."""
     cfg = tiny_config(target, chats)
-    cfg["train"].update(max_steps=24, eval_every=4, checkpoint_every=4, **train)
+    cfg["extract"].update(batch_size=2)
+    cfg["train"].update(max_steps=30, eval_every=10, checkpoint_every=5, batch_tokens=128, shuffle_buffer_gib=0,
+                        **train)
     return cfg
 
 

@@ -49,7 +49,7 @@ def test_killed_training_after_a_setting_change_reruns_to_the_uninterrupted_resu
     # too (CI runs as root), leaving it whole: the directory and the sentence agree
     rerun = snakemake(faulted, check=False)
     assert "Nothing to be done" not in rerun.stdout + rerun.stderr
-    assert "resuming from results/tiny/train/checkpoints/step-0000004" in log.read_text()
+    assert "resuming from results/tiny/train/checkpoints/step-0000005" in log.read_text()
     export_log = (faulted / "results/tiny/logs/export_draft.log").read_text()
     assert rerun.returncode != 0 and "a delivered draft is never overwritten, delete it on purpose" in export_log
     assert "holds ['README.md', 'config.json', 'model.safetensors'], a delivered draft whose" in export_log
@@ -85,7 +85,7 @@ def test_a_finished_training_is_taken_from_its_checkpoints_when_its_manifest_is_
     snakemake(faulted)
     assert manifest.read_bytes() == built
     log = (faulted / "results/tiny/logs/train_draft.log").read_text()
-    assert "reusing the finished training results/tiny/train/checkpoints/step-0000024" in log, log
+    assert "reusing the finished training results/tiny/train/checkpoints/step-0000030" in log, log
     assert "starting fresh" not in log and "train_draft: checkpoint " not in log
     assert (faulted / "results/tiny/train/summary.json").read_bytes() == summary
     assert checkpoint_files(faulted) == old_checkpoints
@@ -136,7 +136,7 @@ def test_a_full_disk_while_checkpointing_is_one_sentence(finished, tmp_path):
         lines = (faulted / "results/tiny/logs/train_draft.log").read_text().splitlines()
         assert not any("Traceback" in line for line in lines), lines[-20:]
         where = root.relative_to(faulted)
-        assert re.fullmatch(f"cannot write checkpoint {where}/step-0000004: writing trainer_state.pt failed "
+        assert re.fullmatch(f"cannot write checkpoint {where}/step-0000005: writing trainer_state.pt failed "
                             r"\(the disk is full; [0-9.]+ [KMG]?i?B free there\); free space in "
                             f"{where} and rerun, training resumes from the start", lines[-1]), lines[-1]
         assert not list(root.glob(".tmp-*"))
