@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 import shlex
@@ -10,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
@@ -40,6 +43,76 @@ def tiny_config(target: Path, chats: Path, name: str = "tiny") -> dict:
 
 def write_config(ws: Path, cfg: dict) -> None:
     (ws / "config" / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+
+
+def finished_config(target: Path, chats: Path, **train) -> dict:
+    """The finished tiny run's settings (finish_tiny_run), ``train`` on top: tests/configs/tiny.yaml
+    with two samples a shard and short rows (a dozen shards, a few of them in flight at a time under
+    tests/e2e/test_disk_budget.py's budget), each shard's samples shuffled alone (shuffle_buffer_gib
+    0, so the budget keeps the order), trained long enough to be killed between checkpoints
+    (tests/e2e/test_faults.py)."""
+    cfg = tiny_config(target, chats)
+    cfg["extract"].update(batch_size=2)
+    cfg["train"].update(max_steps=30, eval_every=10, checkpoint_every=5, batch_tokens=128, shuffle_buffer_gib=0,
+                        **train)
+    return cfg
+
+
+# On the caller's PYTHONPATH only: every stage interpreter that sees it records its module.
+SITECUSTOMIZE = """
+import atexit, os, sys
+def _record():
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    with open(os.path.join(os.path.dirname(__file__), "stages.txt"), "a") as f:
+        f.write((spec.name if spec else "?") + "\\n")
+atexit.register(_record)
+"""
+
+
+def tree_digest(root: Path) -> dict[str, list]:
+    """Every file's mode and content digest under ``root``, and its own mode (as JSON stores it)."""
+    return {str(f.relative_to(root)): [f.stat().st_mode, hashlib.sha256(f.read_bytes()).hexdigest()]
+            for f in sorted(root.rglob("*")) if f.is_file()} | {"/": [root.stat().st_mode, ""]}
+
+
+@dataclass
+class FinishedRun:
+    """A finished tiny run, shared by the modules that start from one (copy ``ws`` before changing it)."""
+    ws: Path
+    target: Path  # the user's model directory, outside the workspace
+    chats: Path
+    target_before: dict  # tree_digest(target) before the run
+    callers_stages: set[str]  # the stage modules that saw the caller's PYTHONPATH
+
+
+def finish_tiny_run(root: Path) -> FinishedRun:
+    """The whole workflow run once on finished_config in ``root``/ws, as `snakemake -F`, started with a
+    PYTHONPATH of the caller's own (as `pip install --target DIR` users have). The plan before the run,
+    the target's files before it and the stages that saw that PYTHONPATH are recorded in ``root``."""
+    import tiny
+
+    (root / "ws").mkdir()
+    ws = copy_workflow(root / "ws")
+    target = tiny.make_llama(root / "users-model")
+    chats = tiny.make_chats(ws / "chats.jsonl", n=24)
+    write_config(ws, finished_config(target, chats))
+    jobs, reasons, _ = dry_run(ws)
+    assert set(jobs) == STAGES, jobs
+    assert set(reasons["output files have to be generated"]) == STAGES - {"all"}
+    (root / "target_before.json").write_text(json.dumps(tree_digest(target)))
+    callers = root / "callers_site"
+    callers.mkdir()
+    (callers / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    snakemake(ws, "-F", pythonpath=str(callers))  # -F: a forced rerun, for the user's model directory
+    (root / "callers_stages.txt").write_text((callers / "stages.txt").read_text())
+    (root / "DONE").touch()
+    return load_finished_run(root)
+
+
+def load_finished_run(root: Path) -> FinishedRun:
+    return FinishedRun(root / "ws", root / "users-model", root / "ws" / "chats.jsonl",
+                       json.loads((root / "target_before.json").read_text()),
+                       set((root / "callers_stages.txt").read_text().split()))
 
 
 def _command(ws: Path, args, pythonpath: str | None) -> tuple[list[str], dict]:

@@ -14,9 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import tiny
-from workflow import copy_workflow, differences, dry_run, kill_stage, snakemake, start_snakemake, tiny_config, \
-    wait_for_line, write_config
+from workflow import differences, dry_run, finished_config, kill_stage, snakemake, start_snakemake, wait_for_line, \
+    write_config
 
 pytestmark = pytest.mark.e2e
 
@@ -24,11 +23,10 @@ RUN = "results/tiny"
 
 
 def config(target: Path, chats: Path, budget_gib: float | None = None) -> dict:
-    cfg = tiny_config(target, chats)
-    # two samples a shard and short rows: a dozen shards, a few of them in flight at a time;
-    # each shard's samples shuffled alone (shuffle_buffer_gib 0), so the budget keeps the order
-    cfg["extract"].update(batch_size=2, disk_budget_gib=budget_gib)
-    cfg["train"].update(max_steps=30, eval_every=10, checkpoint_every=5, batch_tokens=128, shuffle_buffer_gib=0)
+    """The session's finished run's settings (a dozen shards, each shuffled alone: workflow.finished_config)
+    through a budget."""
+    cfg = finished_config(target, chats)
+    cfg["extract"]["disk_budget_gib"] = budget_gib
     return cfg
 
 
@@ -37,18 +35,13 @@ def manifest(ws: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """(the run without a budget, the same run through a budget of a few shards, the budget, the
-    biggest train shard, (target, chats)). The budgeted run is killed twice on the way: its
-    training (its extractor dies with it), then, in the rerun, its extractor alone."""
+def runs(finished_tiny, tmp_path_factory):
+    """(the run without a budget: the session's finished run (conftest.py), read only; the same run
+    through a budget of a few shards, the budget, the biggest train shard, (target, chats)). The
+    budgeted run is killed twice on the way: its training (its extractor dies with it), then, in
+    the rerun, its extractor alone."""
     root = tmp_path_factory.mktemp("budget")
-    plain = root / "plain"
-    plain.mkdir()
-    copy_workflow(plain)
-    target = tiny.make_llama(root / "target")
-    chats = tiny.make_chats(root / "chats.jsonl", n=24)
-    write_config(plain, config(target, chats))
-    snakemake(plain)
+    plain, target, chats = finished_tiny.ws, finished_tiny.target, finished_tiny.chats
     splits = manifest(plain)["splits"]
     biggest = max(r["bytes"] for r in splits["train"]["shards"])
     # the eval shards and 5 train shards of the ~12: as few as the rows in flight allow

@@ -11,29 +11,16 @@ from pathlib import Path
 
 import pytest
 
-import tiny
-from workflow import (copy_workflow, differences, dry_run, kill_stage, kill_stage_once_started, snakemake,
-                      start_snakemake, tiny_config, wait_for_line, write_config)
+from workflow import (differences, dry_run, finished_config, kill_stage, kill_stage_once_started, snakemake,
+                      start_snakemake, wait_for_line, write_config)
 
 pytestmark = pytest.mark.e2e
 
 
-def config(target: Path, chats: Path, **train) -> dict:
-    cfg = tiny_config(target, chats)
-    # long enough to be killed between checkpoints
-    cfg["train"].update(max_steps=24, eval_every=4, checkpoint_every=4, **train)
-    return cfg
-
-
 @pytest.fixture(scope="module")
-def finished(tmp_path_factory):
-    """A finished run with train.lr 0.001."""
-    ws = copy_workflow(tmp_path_factory.mktemp("faults"))
-    target = tiny.make_llama(ws / "target")
-    chats = tiny.make_chats(ws / "chats.jsonl", n=24)
-    write_config(ws, config(target, chats))
-    snakemake(ws)
-    return ws, target, chats
+def finished(finished_tiny):
+    """The session's finished run (conftest.py), train.lr 0.001: the tests copy it before changing it."""
+    return finished_tiny.ws, finished_tiny.target, finished_tiny.chats
 
 
 def clone(ws: Path, dest: Path) -> Path:
@@ -43,11 +30,11 @@ def clone(ws: Path, dest: Path) -> Path:
 
 def test_killed_training_after_a_setting_change_reruns_to_the_uninterrupted_result(finished, tmp_path):
     ws, target, chats = finished
-    changed = config(target, chats, lr=0.002)
+    changed = finished_config(target, chats, lr=0.002)
     reference = clone(ws, tmp_path / "reference")
     write_config(reference, changed)
     shutil.rmtree(reference / "results/tiny/draft")  # a new draft goes to an empty place (README)
-    snakemake(reference)
+    snakemake(reference, "--", OFFLINE)  # all that differences() compares
 
     faulted = clone(ws, tmp_path / "faulted")
     write_config(faulted, changed)
@@ -62,13 +49,13 @@ def test_killed_training_after_a_setting_change_reruns_to_the_uninterrupted_resu
     # too (CI runs as root), leaving it whole: the directory and the sentence agree
     rerun = snakemake(faulted, check=False)
     assert "Nothing to be done" not in rerun.stdout + rerun.stderr
-    assert "resuming from results/tiny/train/checkpoints/step-0000004" in log.read_text()
+    assert "resuming from results/tiny/train/checkpoints/step-0000005" in log.read_text()
     export_log = (faulted / "results/tiny/logs/export_draft.log").read_text()
     assert rerun.returncode != 0 and "a delivered draft is never overwritten, delete it on purpose" in export_log
     assert "holds ['README.md', 'config.json', 'model.safetensors'], a delivered draft whose" in export_log
     assert draft_files(faulted) == old_draft
     shutil.rmtree(faulted / "results/tiny/draft")
-    snakemake(faulted)
+    snakemake(faulted, "--", OFFLINE)
     assert not (found := differences(faulted / "results/tiny", reference / "results/tiny")), "\n".join(found)
 
 
@@ -98,7 +85,7 @@ def test_a_finished_training_is_taken_from_its_checkpoints_when_its_manifest_is_
     snakemake(faulted)
     assert manifest.read_bytes() == built
     log = (faulted / "results/tiny/logs/train_draft.log").read_text()
-    assert "reusing the finished training results/tiny/train/checkpoints/step-0000024" in log, log
+    assert "reusing the finished training results/tiny/train/checkpoints/step-0000030" in log, log
     assert "starting fresh" not in log and "train_draft: checkpoint " not in log
     assert (faulted / "results/tiny/train/summary.json").read_bytes() == summary
     assert checkpoint_files(faulted) == old_checkpoints
@@ -112,7 +99,7 @@ def test_a_setting_change_killed_before_its_first_checkpoint_keeps_the_finished_
     ws, target, chats = finished
     faulted = clone(ws, tmp_path / "faulted")
     old_checkpoints, old_draft = checkpoint_files(faulted), draft_files(faulted)
-    write_config(faulted, config(target, chats, lr=0.002))
+    write_config(faulted, finished_config(target, chats, lr=0.002))
     log = faulted / "results/tiny/logs/train_draft.log"
     log.unlink()
     proc = start_snakemake(faulted)
@@ -122,7 +109,7 @@ def test_a_setting_change_killed_before_its_first_checkpoint_keeps_the_finished_
     assert "other settings" in log.read_text() and "train_draft: checkpoint " not in log.read_text()
     assert checkpoint_files(faulted) == old_checkpoints
     # back to the finished settings: nothing was lost, nothing is trained again
-    write_config(faulted, config(target, chats))
+    write_config(faulted, finished_config(target, chats))
     snakemake(faulted, "--rerun-incomplete")
     assert "reusing the finished training" in log.read_text() and "train_draft: checkpoint " not in log.read_text()
     assert draft_files(faulted)["model.safetensors"] == old_draft["model.safetensors"]
@@ -143,13 +130,13 @@ def test_a_full_disk_while_checkpointing_is_one_sentence(finished, tmp_path):
     if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={room}", "tmpfs", str(root)]).returncode:
         pytest.skip("this container may not mount a tmpfs")
     try:  # the new settings' checkpoints go to the small filesystem mounted over the old ones
-        write_config(faulted, config(target, chats, lr=0.002))
+        write_config(faulted, finished_config(target, chats, lr=0.002))
         failed = snakemake(faulted, "--", "results/tiny/train/summary.json", check=False)
         assert failed.returncode != 0
         lines = (faulted / "results/tiny/logs/train_draft.log").read_text().splitlines()
         assert not any("Traceback" in line for line in lines), lines[-20:]
         where = root.relative_to(faulted)
-        assert re.fullmatch(f"cannot write checkpoint {where}/step-0000004: writing trainer_state.pt failed "
+        assert re.fullmatch(f"cannot write checkpoint {where}/step-0000005: writing trainer_state.pt failed "
                             r"\(the disk is full; [0-9.]+ [KMG]?i?B free there\); free space in "
                             f"{where} and rerun, training resumes from the start", lines[-1]), lines[-1]
         assert not list(root.glob(".tmp-*"))
@@ -163,7 +150,7 @@ def test_a_request_for_one_file_after_a_failed_export_reruns_the_export(finished
     its outputs: a request for the offline evaluation alone must not call the old one up to date."""
     ws, target, chats = finished
     faulted = clone(ws, tmp_path / "faulted")
-    write_config(faulted, config(target, chats, lr=0.002))
+    write_config(faulted, finished_config(target, chats, lr=0.002))
     old_draft = draft_files(faulted)
     failed = snakemake(faulted, "--", OFFLINE, check=False)
     assert failed.returncode != 0
@@ -178,7 +165,7 @@ def test_a_request_for_one_file_after_a_killed_extraction_reruns_from_the_extrac
     """New data, then the extraction was killed: the shards, and all made from them, are the old data's."""
     ws, target, chats = finished
     faulted = clone(ws, tmp_path / "faulted")
-    changed = config(target, chats)
+    changed = finished_config(target, chats)
     changed["data"]["max_length"] = 80
     write_config(faulted, changed)
     proc = start_snakemake(faulted, "--", OFFLINE)

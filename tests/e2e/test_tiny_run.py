@@ -1,53 +1,31 @@
-"""A tiny end-to-end run of tests/configs/tiny.yaml on CPU: its outputs, what reruns after a change
-of settings, code or data, and what never does."""
+"""A tiny end-to-end run of tests/configs/tiny.yaml on CPU (the session's finished run, conftest.py):
+its outputs, what reruns after a change of settings, code or data, and what never does."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-from pathlib import Path
+import shutil
 
 import pytest
 from safetensors import safe_open
 
 import tiny
-from workflow import STAGES, copy_workflow, dry_run, refused, snakemake, summary, tiny_config, write_config
+from workflow import STAGES, dry_run, refused, summary, tree_digest
 
 pytestmark = pytest.mark.e2e
 
 
-# On the caller's PYTHONPATH only: every stage interpreter that sees it records its module.
-SITECUSTOMIZE = """
-import atexit, os, sys
-def _record():
-    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
-    with open(os.path.join(os.path.dirname(__file__), "stages.txt"), "a") as f:
-        f.write((spec.name if spec else "?") + "\\n")
-atexit.register(_record)
-"""
-
-
 @pytest.fixture(scope="module")
-def done_run(tmp_path_factory):
-    """A finished tiny end-to-end run in a copy of the workflow, started with a PYTHONPATH of
-    the caller's own (as `pip install --target DIR` users have)."""
-    ws = copy_workflow(tmp_path_factory.mktemp("ws"))
-    target = tiny.make_llama(ws / "target")
-    chats = tiny.make_chats(ws / "chats.jsonl", n=24)
-    write_config(ws, tiny_config(target, chats))
-    jobs, reasons, _ = dry_run(ws)
-    assert set(jobs) == STAGES, jobs
-    assert set(reasons["output files have to be generated"]) == STAGES - {"all"}
-    callers = tmp_path_factory.mktemp("callers_site")
-    (callers / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    snakemake(ws, pythonpath=str(callers))
-    (ws / "callers_stages.txt").write_text((callers / "stages.txt").read_text())
+def done_run(finished_tiny, tmp_path_factory):
+    """This module's copy of the session's finished tiny run (conftest.py), which its tests edit."""
+    ws = tmp_path_factory.mktemp("ws") / "ws"
+    shutil.copytree(finished_tiny.ws, ws, symlinks=True)
     return ws
 
 
-def test_stages_keep_the_callers_pythonpath(done_run):
-    seen = set((done_run / "callers_stages.txt").read_text().split())
+def test_stages_keep_the_callers_pythonpath(finished_tiny):
+    seen = finished_tiny.callers_stages
     stages = {f"eaglepipe.{m}" for m in ("prepare_data", "vocab_mapping", "extract_hidden_states",
                                           "gather_manifest", "train_draft", "export_draft",
                                           "evaluate", "model_card", "plots")}
@@ -157,20 +135,8 @@ def test_delivered_draft_is_write_protected(done_run):
         assert not (f.stat().st_mode & 0o222), f"{f} is writable"
 
 
-def tree_digest(root: Path) -> dict[str, tuple[int, str]]:
-    return {str(f.relative_to(root)): (f.stat().st_mode, hashlib.sha256(f.read_bytes()).hexdigest())
-            for f in sorted(root.rglob("*")) if f.is_file()} | {"/": (root.stat().st_mode, "")}
-
-
-def test_forced_reruns_never_touch_the_users_model_directory(tmp_path):
-    ws = copy_workflow(tmp_path)
-    target = tiny.make_llama(tmp_path / "users-model")
-    chats = tiny.make_chats(ws / "chats.jsonl", n=16)
-    cfg = tiny_config(target, chats)
-    cfg["train"].update(max_steps=2, eval_every=2, checkpoint_every=2)
-    write_config(ws, cfg)
-    before = tree_digest(target)
-    assert "No rule to produce build_target" in refused(ws, "--forcerun", "build_target")  # nothing builds it
-    snakemake(ws, "-F")
-    assert (ws / "results" / "tiny" / "draft" / "README.md").is_file()
-    assert tree_digest(target) == before
+def test_forced_reruns_never_touch_the_users_model_directory(finished_tiny, done_run):
+    """The session's finished run was a forced one (`snakemake -F`, workflow.finish_tiny_run)."""
+    assert "No rule to produce build_target" in refused(done_run, "--forcerun", "build_target")  # nothing builds it
+    assert (done_run / "results" / "tiny" / "draft" / "README.md").is_file()
+    assert tree_digest(finished_tiny.target) == finished_tiny.target_before
