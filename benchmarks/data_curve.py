@@ -153,7 +153,10 @@ def training_curve(run: Path) -> tuple[list[int], list[float]]:
 
 
 def figure(rows: list[dict], runs: list[Path], k: int, path: Path) -> None:
-    from eaglepipe.plots import plt, save_svg
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
     fig, (by_data, by_tokens) = plt.subplots(1, 2, figsize=(12, 4.5))
     kept = [r for r in rows if r["conversations_kept"]]
@@ -179,7 +182,8 @@ def figure(rows: list[dict], runs: list[Path], k: int, path: Path) -> None:
                   title="each run's AL during training")
     by_tokens.legend(fontsize=8)
     fig.tight_layout()
-    save_svg(fig, path)
+    fig.savefig(path, format="svg")
+    plt.close(fig)
 
 
 # ---------------------------------------------------------------------------------- curve
