@@ -35,7 +35,7 @@ from eaglepipe.chat_data import Chat
 from eaglepipe.chat_template import ChatTemplate, token_ids
 from eaglepipe.degenerate import is_loop
 from eaglepipe.generation import Sampling
-from eaglepipe.regeneration import EXAMPLES_PER_REASON, Mode, pick_mode, request_seed
+from eaglepipe.regeneration import EXAMPLES_PER_REASON, Mode, pick_mode, remove_stale_parts, request_seed
 
 PART_FORMAT = 1
 PREFIX = "new-"  # the conversations' ids: new-<index>
@@ -158,9 +158,7 @@ class Writer:
                 if open_parts[p] == 0:
                     write_json(self._file(p, keys[p]), {"format": PART_FORMAT, "key": keys[p], "turns": parts[p]})
                     self.written += 1
-        keep = {self._file(p, k) for p, k in keys.items()}
-        for stale in (f for f in self.parts_dir.glob("*.json") if f not in keep):
-            stale.unlink()
+        remove_stale_parts(self.parts_dir, {self._file(p, k) for p, k in keys.items()})
         return [parts[p] for p in range(len(starts))]
 
     def _load(self, index: int, key: str) -> list[dict] | None:
