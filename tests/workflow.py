@@ -208,16 +208,18 @@ def start_snakemake(ws: Path, *args: str) -> subprocess.Popen:
 
 
 def children(pid: int) -> list[int]:
-    """The processes whose parent is ``pid``."""
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    """The processes whose parent is ``pid`` (Snakemake starts jobs from several threads: all are looked at)."""
+    found = []
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except FileNotFoundError:  # the process ended after its parent listed it
+        return found
+    for task in tasks:
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:  # exited meanwhile
+            found += map(int, (task / "children").read_text().split())
+        except FileNotFoundError:  # the thread ended meanwhile
             continue
-        if int(fields[1]) == pid:
-            out.append(int(stat.parent.name))
-    return out
+    return found
 
 
 def alive(pid: int) -> bool:
@@ -229,20 +231,8 @@ def alive(pid: int) -> bool:
 
 
 def descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (Snakemake starts jobs from several threads: all are looked at)."""
-    found = []
-    try:
-        tasks = list(Path(f"/proc/{pid}/task").iterdir())
-    except FileNotFoundError:  # the process ended after its parent listed it
-        return found
-    for task in tasks:
-        try:
-            children = (task / "children").read_text().split()
-        except FileNotFoundError:  # the thread ended meanwhile
-            continue
-        for child in map(int, children):
-            found += [child, *descendants(child)]
-    return found
+    """Every process below ``pid``."""
+    return [p for child in children(pid) for p in (child, *descendants(child))]
 
 
 def wait_until(found, proc: subprocess.Popen, what: str, timeout: float = 600, poll: float = 0.05):
