@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from eaglepipe.shards import load_manifest, read_shard, shard_paths  # noqa: E402
+from eaglepipe.shard_manifest import load_manifest, shard_paths  # noqa: E402
+from eaglepipe.shards import read_shard  # noqa: E402
 
 
 def compare(a_path: str, b_path: str) -> dict:

@@ -57,7 +57,8 @@ sys.path.insert(0, str(REPO / "scripts"))
 from eaglepipe.atomic import read_json_object, write_json  # noqa: E402
 from eaglepipe.draft_model import LOSS_IMPLEMENTATION  # noqa: E402
 from eaglepipe.packed_data import GLOBAL, ROW_LOADERS, shuffle_buffer  # noqa: E402
-from eaglepipe.shards import load_manifest, read_shard, shard_paths  # noqa: E402
+from eaglepipe.shard_manifest import load_manifest, shard_paths  # noqa: E402
+from eaglepipe.shards import read_shard  # noqa: E402
 from eaglepipe.training import FROZEN, LM_HEADS, OPTIMIZERS, TRAINED  # noqa: E402
 
 SPEC_CHILD = "--speculators-child"  # internal: run speculators' trainer in this (child) process

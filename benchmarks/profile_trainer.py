@@ -50,7 +50,7 @@ from eaglepipe.layers import aux_layer_ids, validate_layer_ids  # noqa: E402
 from eaglepipe.packed_data import PackedRows, add_row_loader_argument, shuffle_buffer, shuffle_window  # noqa: E402
 from eaglepipe.runtime import set_threads, setup_distributed  # noqa: E402
 from eaglepipe.settings import add_stage_arguments  # noqa: E402
-from eaglepipe.shards import load_manifest  # noqa: E402
+from eaglepipe.shard_manifest import load_manifest  # noqa: E402
 from eaglepipe.training import Optimization, check_training_args, new_draft  # noqa: E402
 
 log = logging.getLogger("profile_trainer")

@@ -214,7 +214,7 @@ def test_ttt_alignment_oracle_reaches_accuracy_one(tiny_llama, tmp_path):
 
     from eaglepipe.draft_model import build_draft, load_target_head
     from eaglepipe.packed_data import PackedRows
-    from eaglepipe.shards import load_manifest
+    from eaglepipe.shard_manifest import load_manifest
 
     run = make_run(tmp_path, tiny_llama)
     manifest = load_manifest(run["manifest"])

@@ -18,7 +18,9 @@ from tiny_stages import make_run
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import compare_trainers as ct  # noqa: E402
 
-from eaglepipe.shards import load_manifest, read_shard, shard_paths  # noqa: E402
+from eaglepipe.shard_manifest import load_manifest, shard_paths  # noqa: E402
+
+from eaglepipe.shards import read_shard  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import tiny
-from eaglepipe import disk_budget, shards
+from eaglepipe import disk_budget, shard_manifest, shards
 from eaglepipe import extract_hidden_states as ehs
 from eaglepipe.extract_hf import HFExtractor
 from eaglepipe.shard_pipeline import all_finite
@@ -70,7 +70,7 @@ def test_cli_writes_shards_with_bf16_states_and_metadata(tmp_path, tiny_dsv3):
     assert m["splits"]["train"]["samples"] == 6 and len(m["splits"]["train"]["shards"]) == 2
     assert m["splits"]["eval"]["samples"] == 2 and m["skipped"] == []
     m["_path"] = str(tmp_path / "hs" / "parts" / "replica-0-of-1.json")
-    (path, row), _ = shards.shard_paths(m, "train")
+    (path, row), _ = shard_manifest.shard_paths(m, "train")
     assert shards.shard_is_valid(path, row)
     s = shards.read_shard(path)
     assert s.hidden_states.dtype == torch.bfloat16 and s.hidden_states.shape[1:] == (3, 64)
@@ -131,7 +131,7 @@ def test_non_finite_states_are_skipped_counted_and_listed(tmp_path, tiny_llama, 
     assert m["splits"]["train"]["samples"] == 5
     assert "skipped 1 samples with non-finite hidden states: train/t1" in capsys.readouterr().err
     m["_path"] = str(tmp_path / "hs" / "parts" / "replica-0-of-1.json")
-    s = shards.read_shard(shards.shard_paths(m, "train")[0][0])
+    s = shards.read_shard(shard_manifest.shard_paths(m, "train")[0][0])
     assert s.sample_index.tolist() == [0, 2, 3] and s.metadata["skipped"][0]["id"] == "t1"
     # the skip is part of the shard: a rerun reuses it and still reports the skip
     monkeypatch.setattr(HFExtractor, "extract", real)

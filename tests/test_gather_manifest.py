@@ -8,7 +8,7 @@ import pytest
 import tiny
 from eaglepipe import extract_hidden_states as ehs
 from eaglepipe.gather_manifest import gather, main
-from eaglepipe.shards import load_manifest, shard_paths
+from eaglepipe.shard_manifest import load_manifest, shard_paths
 
 
 @pytest.fixture(scope="module")

@@ -119,7 +119,7 @@ def test_ttt_alignment_oracle_reaches_accuracy_one(dsv3, run):
     from eaglepipe.acceptance import evaluate_rows, summarize
     from eaglepipe.draft_model import load_target_head
     from eaglepipe.packed_data import PackedRows
-    from eaglepipe.shards import load_manifest
+    from eaglepipe.shard_manifest import load_manifest
 
     draft = build_draft(dsv3, [1, 3, 5], run["vocab"], ttt_steps=3)
     assert draft.config.transformer_layer_config.model_type == "deepseek_v3"

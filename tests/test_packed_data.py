@@ -11,7 +11,8 @@ import torch
 
 from eaglepipe import packed_data
 from eaglepipe.packed_data import ROW_LOADERS, PackedRows, check_row_loader, shuffle_window
-from eaglepipe.shards import load_manifest, read_shard, write_manifest, write_shard
+from eaglepipe.shard_manifest import load_manifest, write_manifest
+from eaglepipe.shards import read_shard, write_shard
 from tiny_stages import make_run
 
 

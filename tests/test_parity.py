@@ -16,7 +16,7 @@ from eaglepipe.acceptance import chain_counts, replay_walk, summarize, walk_coun
 from eaglepipe.draft_model import LOSS_IMPLEMENTATION, load_draft, load_target_head
 from eaglepipe.packed_data import PackedRows
 from eaglepipe.parity import compare, report, tolerance
-from eaglepipe.shards import load_manifest
+from eaglepipe.shard_manifest import load_manifest
 
 
 def chains(T: int, K: int, hits: dict[int, list[int]], mask: list[int], doc: list[int], cut_at: dict[int, int] = None):

@@ -9,7 +9,7 @@ import pytest
 
 from eaglepipe import plots
 from eaglepipe.serving_sweep import derived_points, merge_windows, set_indices, sweep_rows
-from eaglepipe.shards import write_manifest
+from eaglepipe.shard_manifest import write_manifest
 
 
 def write_inputs(d, metrics_rows, stats, manifest, offline, junk_lines=()):

@@ -75,7 +75,7 @@ def test_extraction_over_the_budget_writes_only_the_eval_shards_and_the_producer
     # the training refuses, before any step, a budget that cannot hold the shards its rows in flight need
     from argparse import Namespace
 
-    from eaglepipe.shards import load_manifest
+    from eaglepipe.shard_manifest import load_manifest
     from eaglepipe.train_draft import budget_plan
 
     train_args = Namespace(shuffle_buffer_gib="global", batch_tokens=64, seed=0, max_steps=20)

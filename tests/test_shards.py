@@ -6,7 +6,7 @@ import pytest
 import torch
 import xxhash
 
-from eaglepipe import shards
+from eaglepipe import shard_manifest, shards
 from eaglepipe.shards import bytes_per_token
 
 
@@ -86,21 +86,21 @@ def test_manifest_round_trip_and_errors(tmp_path):
     row = shards.write_shard(tmp_path / "shards" / "train-000000.safetensors", **make_batch(), metadata={})
     m = {"target": {"model": "x"}, "layer_ids": [2, 4], "shard_dir": "shards",
          "splits": {"train": {"shards": [dict(row, batch=0)]}}}
-    shards.write_manifest(tmp_path / "manifest.json", m)
-    loaded = shards.load_manifest(tmp_path / "manifest.json")
-    [(path, r)] = shards.shard_paths(loaded, "train")
+    shard_manifest.write_manifest(tmp_path / "manifest.json", m)
+    loaded = shard_manifest.load_manifest(tmp_path / "manifest.json")
+    [(path, r)] = shard_manifest.shard_paths(loaded, "train")
     assert path == tmp_path / "shards" / "train-000000.safetensors" and r["xxh3_128"] == row["xxh3_128"]
     with pytest.raises(ValueError, match="no split 'eval'"):
-        shards.shard_paths(loaded, "eval")
+        shard_manifest.shard_paths(loaded, "eval")
     (tmp_path / "bad.json").write_text(json.dumps({k: v for k, v in m.items() if k != "splits"}))
     with pytest.raises(ValueError, match="missing key 'splits'"):
-        shards.load_manifest(tmp_path / "bad.json")
+        shard_manifest.load_manifest(tmp_path / "bad.json")
     (tmp_path / "old.json").write_text(json.dumps(dict(m, format_version=0)))
     with pytest.raises(ValueError, match="format version 0"):
-        shards.load_manifest(tmp_path / "old.json")
+        shard_manifest.load_manifest(tmp_path / "old.json")
     (tmp_path / "broken.json").write_text("{")
     with pytest.raises(ValueError, match="cannot be read"):
-        shards.load_manifest(tmp_path / "broken.json")
+        shard_manifest.load_manifest(tmp_path / "broken.json")
 
 
 @pytest.mark.parametrize("chunk_elements", [1 << 20, 5 * 3 * 96, 1])  # one chunk; 5 rows, ragged end; 1 row

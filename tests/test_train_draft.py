@@ -30,7 +30,7 @@ def test_one_step_on_a_fixed_batch_learns(run):
 
     from eaglepipe.draft_model import build_draft
     from eaglepipe.packed_data import PackedRows, pad_row
-    from eaglepipe.shards import load_manifest
+    from eaglepipe.shard_manifest import load_manifest
 
     torch.manual_seed(0)
     model = build_draft(run["model"], [1, 3, 5], run["vocab"], ttt_steps=3)

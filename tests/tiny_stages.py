@@ -17,7 +17,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from eaglepipe.shards import write_manifest, write_shard
+from eaglepipe.shard_manifest import write_manifest
+
+from eaglepipe.shards import write_shard
 
 LAYER_IDS = [1, 3, 5, 6]  # tiny Llama has 6 layers; 6 = final layer before the final norm
 

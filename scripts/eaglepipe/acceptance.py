@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .shards import row_categories, row_prompt_sets, shard_paths
+from .shard_manifest import row_categories, row_prompt_sets, shard_paths
 
 CONVENTION = ("acceptance_length = 1 + mean number of accepted draft tokens per anchor position "
               "(the target's bonus token counted, as vLLM and SGLang report it); greedy top-1 chain of k draft "

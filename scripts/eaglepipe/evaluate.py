@@ -21,7 +21,7 @@ import torch
 from .atomic import read_json_object, write_json
 from .layers import aux_layer_ids
 from .settings import add_stage_arguments
-from .shards import load_manifest
+from .shard_manifest import load_manifest
 
 log = logging.getLogger("eaglepipe.evaluate")
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from . import disk_budget, shard_budget, shards
+from . import disk_budget, shard_budget, shard_manifest, shards
 from .atomic import read_json_object, remove_stale_temporaries
 from .dir_lock import dir_lock
 from .model_dir import check_model_dir
@@ -106,7 +106,7 @@ def settings_of(args, layer_ids: list[int], tokenizer: str | None) -> dict:
     """What decides a shard's content: every flag not RESULT_NEUTRAL (layer ids resolved), the
     tokenizer's digest (shards of another tokenizer are never reused) and the format version."""
     s = {k: v for k, v in vars(args).items() if k not in RESULT_NEUTRAL}
-    s.update(layer_ids=layer_ids, tokenizer_digest=tokenizer, format_version=shards.FORMAT_VERSION)
+    s.update(layer_ids=layer_ids, tokenizer_digest=tokenizer, format_version=shard_manifest.FORMAT_VERSION)
     s["digest"] = hashlib.sha256(json.dumps(s, sort_keys=True).encode()).hexdigest()[:16]
     return s
 
@@ -310,7 +310,7 @@ def run(args) -> None:
 
     # ---- part manifest
     out = Path(args.out)
-    splits = {split: shards.split_summary(rows[split], empty[split]) for split in SPLITS}
+    splits = {split: shard_manifest.split_summary(rows[split], empty[split]) for split in SPLITS}
     manifest = {
         "target": {"model": args.model, "revision": args.revision, "num_hidden_layers": N,
                    "hidden_size": H, "vocab_size": V, "dtype": args.dtype},
@@ -330,7 +330,7 @@ def run(args) -> None:
     }
     if budget:
         manifest[shard_budget.BUDGET_KEY] = budget
-    shards.write_manifest(out, manifest)
+    shard_manifest.write_manifest(out, manifest)
     log(f"wrote {out}: {sum(s['tokens'] for s in splits.values())} tokens in "
         f"{sum(len(s['shards']) for s in splits.values())} shards, "
         f"{human_bytes(sum(s['bytes'] for s in splits.values()))}")

@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-from .shards import load_manifest, shard_paths, split_summary, write_manifest
+from .shard_manifest import load_manifest, shard_paths, split_summary, write_manifest
 
 SAME = ("target", "layer_ids", "layer_convention", "storage_dtype", "settings")
 BUDGET = "disk_budget"  # shard_budget.BUDGET_KEY: present only in a budgeted extraction

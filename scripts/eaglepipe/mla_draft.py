@@ -20,8 +20,6 @@ speculators' tensor names, which the class maps itself (``layers.0.*`` as is; ``
 
 from __future__ import annotations
 
-import torch
-
 from .serving_limits import EXPORT_KEY, MLA_DRAFT_LAYERS, mla_layers_error
 
 MODEL_TYPE = "deepseek_v3"
@@ -94,6 +92,8 @@ def layer_config(tcfg, mlp_width: int | None = None, num_layers: int = MLA_DRAFT
 
 
 def _first_layer_class():
+    # imported here: the model card reads this module's config helpers and needs no torch
+    import torch
     from speculators.models.eagle3.model_definitions import Eagle3FirstLayerMixin
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
 

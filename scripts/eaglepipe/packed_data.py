@@ -4,8 +4,8 @@ A row holds whole samples packed end to end, at most ``batch_tokens`` tokens (a 
 a row of its own, truncated, and is counted). Rows come out as speculators' batch dict after its
 ``shift_batch`` (per sample), so position t holds token x_{t+1}, aux states g_t and the final
 state y_{t+1}; position ids restart at 1 in every sample and ``document_ids`` keep samples from
-attending to each other. ``categories`` lists each document's category (shards.row_categories) and
-``prompt_sets`` its fixed evaluation set (shards.row_prompt_sets), for
+attending to each other. ``categories`` lists each document's category (shard_manifest.row_categories) and
+``prompt_sets`` its fixed evaluation set (shard_manifest.row_prompt_sets), for
 the evaluation strata; they are plain lists, not row tensors.
 
 Shuffling mixes the samples of ``shuffle_window`` consecutive shards of the epoch's shard order
@@ -45,8 +45,8 @@ import torch
 from safetensors import safe_open
 
 from .prefetch import prefetch, prefetch_in_process
-from .shards import (Shard, open_shard, read_shard, read_tokens, row_categories, row_prompt_sets, shard_paths,
-                     stored_layers)
+from .shard_manifest import row_categories, row_prompt_sets, shard_paths
+from .shards import Shard, open_shard, read_shard, read_tokens, stored_layers
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.ticker import FuncFormatter  # noqa: E402
 
 from .atomic import atomic_path, read_json_object  # noqa: E402
-from .shards import load_manifest  # noqa: E402
+from .shard_manifest import load_manifest  # noqa: E402
 from .units import human_bytes  # noqa: E402
 
 ACC_KEY = re.compile(r"(?:full_)?acc_(\d+)")

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from . import shards
+from . import shard_manifest, shards
 from .checksum import CHECKSUM
 from .progress import TokenProgress
 from .tokenized_samples import PreparedSample
@@ -68,12 +68,12 @@ def reusable_row(path: Path, batch: list[PreparedSample], digest: str, num_layer
     except Exception:  # unreadable in any way: rewrite it
         return None
     checksum = shards.recorded_checksum(path)[CHECKSUM]  # just verified
-    row = shards.manifest_row(path, len(kept), T, path.stat().st_size, checksum)
+    row = shard_manifest.manifest_row(path, len(kept), T, path.stat().st_size, checksum)
     return with_categories(row, kept), meta.get("skipped", [])
 
 
 def with_categories(row: dict, kept: list[PreparedSample]) -> dict:
-    """The manifest row with its samples' categories when any has one (shards.row_categories).
+    """The manifest row with its samples' categories when any has one (shard_manifest.row_categories).
     They go in the manifest, not the shard: the evaluations read them from there, and a shard
     stays reusable when only a category changed."""
     categories = [s.category for s in kept]

@@ -1,4 +1,4 @@
-"""The hidden-state shard format and the manifest that lists the shards.
+"""The hidden-state shard format.
 
 One safetensors file per batch (read by memory map), its samples packed without padding:
   hidden_states [T, L, H]  model dtype (bf16); T = the batch's samples packed end to end,
@@ -11,13 +11,9 @@ returns the same [T, L, H] view either way.
 The header metadata key ``eaglepipe`` holds JSON: format version, layer ids and convention,
 target model id/revision, dtype, tokenizer digest.
 
-The manifest's row of a shard: file, samples, tokens, bytes and its checksum (``checksum.py``),
-and ``categories`` (each sample's category, null for none; ``row_categories``) when a sample of
-the shard has one (chat_data's ``category``, which the evaluations report acceptance by), and
-likewise ``prompt_sets`` (each eval sample's fixed evaluation set; ``row_prompt_sets``).
-The same size and checksum go beside the shard when it is written (``<shard>.checksum``, JSON), so
-a rerun verifies a shard before reusing it even though Snakemake deleted the old part manifest.
-Training reads the manifest, never scans the shard directory.
+The manifest that lists the shards: ``shard_manifest.py``. The size and checksum of its row go
+beside the shard when it is written (``<shard>.checksum``, JSON), so a rerun verifies a shard
+before reusing it even though Snakemake deleted the old part manifest.
 """
 
 from __future__ import annotations
@@ -34,8 +30,8 @@ from safetensors import safe_open
 from .atomic import atomic_path, read_json_object, write_json
 from .checksum import CHECKSUM, file_checksum
 from .safetensors_writer import save_pieces
+from .shard_manifest import FORMAT_VERSION, manifest_row
 
-FORMAT_VERSION = 1
 STORAGE_DTYPES = ("model", "fp8")
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
@@ -154,10 +150,6 @@ def write_shard(
     return manifest_row(path, int(sample_index.numel()), int(T), size, checksum)
 
 
-def manifest_row(path: str | os.PathLike, samples: int, tokens: int, size: int, checksum: str) -> dict:
-    return {"file": Path(path).name, "samples": samples, "tokens": tokens, "bytes": size, CHECKSUM: checksum}
-
-
 def read_metadata(f) -> dict:
     """The ``eaglepipe`` header metadata of a shard opened with ``safe_open``."""
     return json.loads(f.metadata()[METADATA_KEY])
@@ -251,49 +243,3 @@ def shard_is_valid(path: str | os.PathLike, row: dict | None = None) -> bool:
             return n_off >= 2 and ids.get_shape()[0] == int(f.get_tensor("offsets")[-1])
     except Exception:  # any unreadable file is simply not complete
         return False
-
-
-# ----------------------------------------------------------------------------- manifest
-def write_manifest(path: str | os.PathLike, manifest: dict) -> None:
-    manifest = dict(manifest, format_version=FORMAT_VERSION)
-    write_json(path, manifest)
-
-
-def split_summary(rows: list[dict], empty_batches: list[int]) -> dict:
-    """A split's manifest entry: its shards' rows in batch order, the batches that kept no sample
-    (every sample skipped), and the totals."""
-    rows = sorted(rows, key=lambda r: r["batch"])
-    return {"shards": rows, "empty_batches": sorted(empty_batches),
-            "samples": sum(r["samples"] for r in rows), "tokens": sum(r["tokens"] for r in rows),
-            "bytes": sum(r["bytes"] for r in rows)}
-
-
-def load_manifest(path: str | os.PathLike) -> dict:
-    path = Path(path)
-    m = read_json_object(path, "manifest")
-    for key in ("layer_ids", "splits", "shard_dir", "target"):
-        if key not in m:
-            raise ValueError(f"manifest {path}: missing key {key!r}")
-    if m.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"manifest {path}: format version {m.get('format_version')}, expected {FORMAT_VERSION}")
-    m["_path"] = str(path)
-    return m
-
-
-def row_categories(row: dict) -> list[str | None]:
-    """The category of each sample of a shard's manifest row (None: it has none)."""
-    return row.get("categories") or [None] * row["samples"]
-
-
-def row_prompt_sets(row: dict) -> list[str | None]:
-    """The fixed evaluation set (evaluate.prompts) of each sample of a shard's manifest row (None: none)."""
-    return row.get("prompt_sets") or [None] * row["samples"]
-
-
-def shard_paths(manifest: dict, split: str) -> list[tuple[Path, dict]]:
-    """(absolute path, manifest row) of every shard of a split, in manifest order."""
-    if split not in manifest["splits"]:
-        raise ValueError(f"manifest {manifest.get('_path')}: no split {split!r} "
-                         f"(has {sorted(manifest['splits'])})")
-    base = Path(manifest["_path"]).parent / manifest["shard_dir"]
-    return [(base / row["file"], row) for row in manifest["splits"][split]["shards"]]

@@ -41,7 +41,7 @@ from .process_lifetime import die_with_parent
 from .progress import TokenProgress
 from .runtime import all_reduce, rng_state, set_rng_state, set_threads, setup_distributed
 from .settings import add_stage_arguments
-from .shards import load_manifest
+from .shard_manifest import load_manifest
 from .training import Optimization, check_training_args, new_draft
 
 log = logging.getLogger("eaglepipe.train_draft")

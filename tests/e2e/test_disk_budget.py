@@ -73,7 +73,7 @@ def runs(finished_tiny, tmp_path_factory):
 def reference_counts(ws: Path, cfg: dict) -> Counter:
     """How often each train sample is trained by the unbudgeted run: its rows replayed."""
     from eaglepipe.packed_data import PackedRows
-    from eaglepipe.shards import load_manifest
+    from eaglepipe.shard_manifest import load_manifest
 
     m = load_manifest(ws / RUN / "hidden_states/manifest.json")
     rows = PackedRows(m, "train", cfg["train"]["batch_tokens"], seed=cfg["train"].get("seed", 0), shuffle=True,

@@ -160,7 +160,7 @@ def reference_counts(data, segments: list[tuple[int, int]], window: int) -> Coun
     """How often the run without the budget trains each train sample: every rank's rows replayed
     from the start through ``segments`` of (world size, steps)."""
     from eaglepipe.packed_data import PackedRows
-    from eaglepipe.shards import load_manifest
+    from eaglepipe.shard_manifest import load_manifest
 
     manifest = load_manifest(data.plain)
     sample = {r["batch"]: r["indices"] for r in json.loads(data.budgeted.read_text())["splits"]["train"]["shards"]}
