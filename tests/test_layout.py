@@ -2,6 +2,8 @@
 share lives in library modules."""
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -112,3 +114,12 @@ def test_vllm_environment_defaults_are_set_by_the_stages_only():
     copies = [(p.relative_to(REPO).as_posix(), key) for p in places for key in VLLM_ENV_DEFAULTS
               if re.search(rf"\b{key}=", p.read_text())]
     assert len(places) > 5 and not copies, copies
+
+
+def test_the_stages_that_handle_no_tensor_start_without_torch():
+    # every run starts them; torch's import is ~1.3 CPU-s of each (shard_manifest.py says why apart)
+    light = ["gather_manifest", "plots", "model_card"]
+    assert set(light) <= stage_modules()
+    code = f"import sys; import {', '.join('eaglepipe.' + m for m in light)}; print('torch' in sys.modules)"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert p.stdout.strip() == "False"
