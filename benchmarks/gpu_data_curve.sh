@@ -20,9 +20,10 @@
 #       regenerating, and runs the sizes given. The size `new` runs only when named: every record and
 #       CURVE_NEW_TURNS (17,672) user turns the target writes itself (regenerate.new_user_turns),
 #       the point beyond the data; its steps make CURVE_PASSES (1.5) passes over its own train
-#       tokens, counted once its data is prepared (data_curve.py steps). NO_PARITY=1 before `start`:
-#       each size is served but not replayed by the parity gate (nor given its card), ~75 s less a
-#       size, for a session short of device time
+#       tokens, counted once its data is prepared (data_curve.py steps). OMIT_FROM="RULE..." before `start`
+#       (a session short of device time): each size's run leaves out those rules and what follows
+#       them (Snakemake's --omit-from): extract_parity_hidden_states, ~75 s less a size, serves the
+#       draft without the parity replay and its card; benchmark_serving stops at the offline figures
 #   bash benchmarks/gpu_data_curve.sh status [WAIT_S]   waits up to WAIT_S s for the chain to end,
 #       prints its progress and the curve so far, and copies to $OUT: data_curve.tgz (the small
 #       results), data_curve.md and .svg (the curve) and the regenerated parts once packed, regen.tgz.NN
@@ -116,10 +117,8 @@ snakemake_size() {  # snakemake_size SIZE [--config words...]: one size's run, t
       || return 1
     config+=("train={\"max_steps\": $steps}")
   fi
-  # NO_PARITY=1 (a session short of device time): the draft is evaluated and served, not replayed;
-  # the parity gate and the card that waits for it are left out, and the curve reads neither
   local omit=()
-  [ -z "${NO_PARITY:-}" ] || omit=(--omit-from extract_parity_hidden_states)
+  [ -z "${OMIT_FROM:-}" ] || omit=(--omit-from $OMIT_FROM)  # word-split: rule names
   # --keep-going: a failed parity check (run after serving) still leaves the card and the plots
   "${SNAKEMAKE[@]}" --keep-going "${omit[@]}" ${config[@]:+--config "${config[@]}"}
 }

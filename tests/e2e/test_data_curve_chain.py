@@ -145,7 +145,7 @@ def test_the_chain_regenerates_once_and_each_size_reuses_it(tmp_path, tiny_llama
     ws2 = workspace(tmp_path / "ws2", tiny_llama)
     for piece in returned.glob("regen.tgz.*"):
         shutil.copy2(piece, stage / piece.name)
-    out = chain(ws2, "curve", "new", stage=stage, NO_PARITY="1")
+    out = chain(ws2, "curve", "new", stage=stage, OMIT_FROM="extract_parity_hidden_states")
     assert steps(ws2) == {"unpack": "0", "regenerate": "0", "size-curve-new": "0", "curve": "0"}, out
     again = stats(ws2, "curve-all")
     assert again["run"]["parts_written"] == 0 and again["run"]["parts_reused"] == 6
@@ -155,7 +155,7 @@ def test_the_chain_regenerates_once_and_each_size_reuses_it(tmp_path, tiny_llama
     assert written["asked"] == 3 and new["read"] == 24 + written["kept"]
     assert new["run"]["parts_reused"] == 6  # the data's parts were given; only the written turns were answered
     run = ws2 / "results/curve-new"
-    # NO_PARITY leaves out what follows the parity extraction, which a plan without serving (CPU) lacks
+    # OMIT_FROM leaves out what follows the parity extraction, which a plan without serving (CPU) lacks
     assert (run / "draft/README.md").is_file()
     sys.path.insert(0, str(REPO / "benchmarks"))
     import data_curve
