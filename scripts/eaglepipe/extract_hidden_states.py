@@ -329,7 +329,7 @@ def run(args) -> None:
         "bytes_per_token": bpt,
     }
     if budget:
-        manifest[shard_budget.BUDGET_KEY] = budget
+        manifest[shard_manifest.BUDGET_KEY] = budget
     shard_manifest.write_manifest(out, manifest)
     log(f"wrote {out}: {sum(s['tokens'] for s in splits.values())} tokens in "
         f"{sum(len(s['shards']) for s in splits.values())} shards, "

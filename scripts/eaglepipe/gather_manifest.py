@@ -15,10 +15,9 @@ import os
 import sys
 from pathlib import Path
 
-from .shard_manifest import load_manifest, shard_paths, split_summary, write_manifest
+from .shard_manifest import BUDGET_KEY, load_manifest, shard_paths, split_summary, write_manifest
 
 SAME = ("target", "layer_ids", "layer_convention", "storage_dtype", "settings")
-BUDGET = "disk_budget"  # shard_budget.BUDGET_KEY: present only in a budgeted extraction
 
 
 def gather(parts: list[str | os.PathLike], out: str | os.PathLike) -> dict:
@@ -28,7 +27,7 @@ def gather(parts: list[str | os.PathLike], out: str | os.PathLike) -> dict:
     ms = [load_manifest(p) for p in parts]
     first = ms[0]
     for m in ms[1:]:
-        for key in (*SAME, BUDGET):
+        for key in (*SAME, BUDGET_KEY):
             if m.get(key) != first.get(key):
                 raise ValueError(f"{m['_path']}: {key} {m.get(key)!r} differs from {first['_path']}: "
                                  f"{first.get(key)!r}; all replicas must run with the same settings")
@@ -97,8 +96,8 @@ def gather(parts: list[str | os.PathLike], out: str | os.PathLike) -> dict:
         tokenizer_digest=first.get("tokenizer_digest"),
         bytes_per_token=first.get("bytes_per_token"),
     )
-    if first.get(BUDGET) is not None:
-        merged[BUDGET] = first[BUDGET]
+    if first.get(BUDGET_KEY) is not None:
+        merged[BUDGET_KEY] = first[BUDGET_KEY]
     write_manifest(out, merged)
     return merged
 

@@ -46,12 +46,12 @@ import torch
 
 from .atomic import write_json
 from .process_lifetime import die_with_parent
+from .shard_manifest import BUDGET_KEY
 from .units import human_bytes
 
 log = logging.getLogger(__name__)
 
 GIB = 1 << 30
-BUDGET_KEY = "disk_budget"  # the manifest's record of a budgeted extraction
 SCHEDULE = "schedule.json"
 PROGRESS = "trained.json"  # the schedule rows trained so far, for the producer
 EXTRACTED = "extracted.jsonl"

@@ -18,6 +18,7 @@ from .atomic import read_json_object, write_json
 from .checksum import CHECKSUM
 
 FORMAT_VERSION = 1  # of the shards and of the manifest
+BUDGET_KEY = "disk_budget"  # the manifest's record of a budgeted extraction (shard_budget.py)
 
 
 def manifest_row(path: str | os.PathLike, samples: int, tokens: int, size: int, checksum: str) -> dict:

@@ -41,7 +41,7 @@ from .process_lifetime import die_with_parent
 from .progress import TokenProgress
 from .runtime import all_reduce, rng_state, set_rng_state, set_threads, setup_distributed
 from .settings import add_stage_arguments
-from .shard_manifest import load_manifest
+from .shard_manifest import BUDGET_KEY, load_manifest
 from .training import Optimization, check_training_args, new_draft
 
 log = logging.getLogger("eaglepipe.train_draft")
@@ -114,7 +114,7 @@ def budget_plan(args, manifest: dict, world: int, out: Path, settings: dict):
         return plans[window].plan
 
     rows = shard_budget.train_rows(manifest)
-    widest = shard_budget.choose_window(rows_of, configured, len(rows), manifest[shard_budget.BUDGET_KEY]["train_bytes"],
+    widest = shard_budget.choose_window(rows_of, configured, len(rows), manifest[BUDGET_KEY]["train_bytes"],
                                         [r["bytes"] for r in rows], args.max_steps, world, PREFETCH_DEPTH)
     window = resumed_window(out, settings, widest) or widest
     if window != widest:
