@@ -68,10 +68,10 @@ if [ -n "$download" ]; then
   done
   run mkdir -p "$download/.resolve"
   run "$py" -m pip wheel -q --no-deps -w "$download" connection-pool==0.0.3
-  # setuptools: the build backend of pyproject.toml, for the offline editable install
+  # setuptools: the build backend of pyproject.toml ([build-system] requires), for the offline editable install
   run "$py" -m pip install -q --dry-run --ignore-installed --target "$download/.resolve" \
     "${target[@]}" --find-links "$download" -c "$constraints" --report "$download/.resolve/report.json" \
-    ".[$extras]" "setuptools>=68"
+    ".[$extras]" "setuptools>=77"
   run "$py" - "$download/.resolve/report.json" "$download/requirements.txt" "$exclude" <<'EOF'
 """Write the resolved name==version lines except this project and the excluded patterns."""
 import fnmatch, json, sys
