@@ -24,7 +24,9 @@ def demo(tmp_path_factory):
     (ws / "config" / "config.yaml").write_text("train: {max_steps: 50}\n")
     jobs, _, _ = dry_run(ws)
     assert "build_target" in jobs  # the target is built from the packaged GGUF, not downloaded
-    snakemake(ws, timeout=1800)
+    # as a user runs it: each rule's threads, up to the cores (the other workflow runs in the suite
+    # cap a job at one thread: tests/workflow.py)
+    snakemake(ws, "--max-threads", "2", timeout=1800)
     return ws
 
 
