@@ -68,10 +68,12 @@ if [ -n "$download" ]; then
   done
   run mkdir -p "$download/.resolve"
   run "$py" -m pip wheel -q --no-deps -w "$download" connection-pool==0.0.3
-  # setuptools: the build backend of pyproject.toml ([build-system] requires), for the offline editable install
+  # the build backend of pyproject.toml (its [build-system] requires), for the offline editable install
+  requires=$("$py" -c 'import tomllib; print(*tomllib.load(open("pyproject.toml", "rb"))["build-system"]["requires"])')
+  read -r -a backend <<< "$requires"
   run "$py" -m pip install -q --dry-run --ignore-installed --target "$download/.resolve" \
     "${target[@]}" --find-links "$download" -c "$constraints" --report "$download/.resolve/report.json" \
-    ".[$extras]" "setuptools>=77"
+    ".[$extras]" "${backend[@]}"
   run "$py" - "$download/.resolve/report.json" "$download/requirements.txt" "$exclude" <<'EOF'
 """Write the resolved name==version lines except this project and the excluded patterns."""
 import fnmatch, json, sys

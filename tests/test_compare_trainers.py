@@ -19,7 +19,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import compare_trainers as ct  # noqa: E402
 
 from eaglepipe.shard_manifest import load_manifest, shard_paths  # noqa: E402
-
 from eaglepipe.shards import read_shard  # noqa: E402
 
 

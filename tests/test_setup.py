@@ -29,6 +29,7 @@ def setup_sh(tmp_path: Path, *args: str, python: str | None = None) -> subproces
     """Run a copy of setup.sh (with the files it reads) in tmp_path, where no .venv exists;
     ``python``: the interpreter it is given through $PYTHON."""
     shutil.copy(REPO / "setup.sh", tmp_path / "setup.sh")
+    shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
     shutil.copytree(REPO / "constraints", tmp_path / "constraints", dirs_exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k != "PYTHON"} | ({"PYTHON": python} if python else {})
     return subprocess.run(["bash", str(tmp_path / "setup.sh"), *args], capture_output=True, text=True,
@@ -106,6 +107,9 @@ def test_download_mode_resolves_for_the_target_python(tmp_path):
     assert resolve[resolve.index("--python-version") + 1] == "3.12"
     assert "manylinux_2_28_x86_64" in resolve  # vLLM 0.26.0's wheel tag
     assert resolve[resolve.index("-c") + 1] == "constraints/gpu.txt" and ".[dev,gpu]" in resolve
+    # the build backend is resolved too (the wheel directory installs the project offline)
+    backend = PYPROJECT["build-system"]["requires"]
+    assert backend and set(backend) <= set(resolve)
     filter_step = next(c for c in commands if c[1] == "-")
     assert filter_step[-1] == "torch nvidia-*"
     downloads = [c for c in commands if c[1:4] == ["-m", "pip", "download"]]
