@@ -32,6 +32,8 @@ EVAL_WITH_CHATS = bool(
 )
 # the target writes user turns of its own (regenerate.new_user_turns) before answering the chats
 NEW_USER_TURNS = config["regenerate"]["new_user_turns"]["count"] > 0
+# looping answers stopped early (regenerate.loop_stop_every)
+LOOP_STOP = config["regenerate"]["loop_stop_every"] > 0
 # the chat files among the fixed evaluation sets (the packages' sets are no job input)
 EVAL_PROMPTS_SOURCE = [p for p in EVAL_PROMPT_SETS if not p.startswith("package:")]
 # regenerate.modes as the CLI takes them: data.chat_template_kwargs under each mode's own
@@ -127,6 +129,7 @@ rule regenerate_responses:
             "regenerate_responses",
             "answers",
             *(["new_user_turns"] if NEW_USER_TURNS else []),
+            *(["loop_stop"] if LOOP_STOP else []),
             overrides={"regenerate.modes": REGENERATE_MODES},
         ),
         eval_data=EVAL_PROMPT_SETS if EVAL_WITH_CHATS else "",

@@ -288,6 +288,12 @@ def test_regenerate_settings_that_contradict_each_other_are_refused():
         "never asked again"]
     cfg["regenerate"] = {"loop_retries": 2, "answers_per_conversation": 2}
     assert config_errors(cfg, schema) == []
+    cfg["regenerate"] = {"loop_stop_every": 64, "on_loop": "keep"}
+    assert config_errors(cfg, schema) == [
+        "config key regenerate.loop_stop_every = 64 is not allowed with regenerate.on_loop 'keep': a kept loop is "
+        "kept whole, so none is stopped; use 0 or drop/trim loops"]
+    cfg["regenerate"] = {"loop_stop_every": 64}  # the schema's on_loop drops loops
+    assert config_errors(cfg, schema) == []
     # written user turns are answered by the regeneration that writes them
     cfg["regenerate"] = {"new_user_turns": {"count": 100}}
     assert config_errors(cfg, schema) == [

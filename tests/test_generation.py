@@ -1,13 +1,18 @@
 """The hf backend's batched decoder: the same answers whatever the batch, greedy as transformers'
-generate, sampling by each request's own seed, top-p, stop tokens and the length cap."""
+generate, sampling by each request's own seed, top-p, stop tokens and the length cap; both
+backends' early stop of a looping answer."""
 
 from __future__ import annotations
+
+import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from eaglepipe.generation import HFGenerator, Sampling
+from eaglepipe.degenerate import is_loop
+from eaglepipe.generation import HFGenerator, LoopStop, LoopWatch, Sampling, VLLMGenerator
 
 # prompts of different lengths, so a batch pads them
 PROMPTS = [[5, 9, 13], [7] * 11, [3, 4, 5, 6, 7, 8, 9], [21, 22], list(range(30, 55))]
@@ -88,3 +93,101 @@ def test_a_batch_takes_the_shortest_queued_prompts(tiny_llama):
         gen.submit(rid, list(range(5, 5 + length)), 0)
     assert [sorted(f.request_id for f in gen.step()) for _ in range(3)] == [
         ["short", "shortest"], ["long", "mid"], ["longer"]]
+
+
+def first_loop_check(tokens: list[int], stop: LoopStop) -> int | None:
+    """The length at which ``stop`` ends ``tokens``: the first multiple of its step that loops."""
+    return next((n for n in range(stop.every, len(tokens) + 1, stop.every)
+                 if is_loop(tokens[:n], stop.ngram, stop.min_distinct_share)), None)
+
+
+def test_a_looping_answer_is_stopped_at_the_first_check_that_finds_the_loop(tiny_llama):
+    """A random tiny model's greedy answers loop; with a loop stop each is cut at the first multiple of
+    the step where it loops (finish "loop"), exactly the prefix of the answer it had without the stop,
+    and an answer that never loops at a check is the same as without the stop."""
+    free = answers(tiny_llama, Sampling(0.0, 1.0, 64, (2,)), batch_size=5)
+    stop = LoopStop(8, 4, 0.5)
+    stopped = answers(tiny_llama, Sampling(0.0, 1.0, 64, (2,), stop), batch_size=5)
+    cut = 0
+    for rid, (ids, reason) in free.items():
+        at = first_loop_check(ids, stop)
+        if at is None or (reason == "stop" and at >= len(ids)):
+            assert stopped[rid] == (ids, reason)
+        else:
+            assert stopped[rid] == (ids[:at], "loop")
+            cut += 1
+    assert cut >= 2  # the model loops: the test sees stops
+
+
+class DeltaEngine:
+    """``add_request`` / ``step`` / ``abort_request`` as vLLM's LLMEngine: each step gives every running
+    request its next 1-3 tokens of a scripted answer, as DELTA outputs (FINAL_ONLY: once, at the end)."""
+
+    def __init__(self, scripts: dict[str, list[int]]):
+        self.scripts, self.running, self.params, self.aborted = scripts, {}, {}, []
+        self.llm_engine, self.rng = self, random.Random(0)
+
+    def add_request(self, request_id, prompt, params):
+        self.running[request_id], self.params[request_id] = 0, params
+
+    def abort_request(self, request_ids):
+        for rid in request_ids:
+            self.aborted.append(rid)
+            del self.running[rid]
+
+    def step(self):
+        out = []
+        for rid, at in list(self.running.items()):
+            script, kind = self.scripts[rid], self.params[rid].output_kind
+            end = min(at + self.rng.randint(1, 3), len(script))
+            self.running[rid] = end
+            finished = end == len(script)
+            if finished:
+                del self.running[rid]
+            tokens = script[at:end] if kind == "delta" else script[:end] if finished else None
+            if tokens is not None:
+                reason = "stop" if finished and script[-1] == 2 else "length" if finished else None
+                out.append(SimpleNamespace(request_id=rid, finished=finished,
+                                           outputs=[SimpleNamespace(token_ids=tokens, finish_reason=reason)]))
+        return out
+
+
+def test_vllm_requests_stream_only_with_a_loop_stop_and_a_loop_is_aborted_at_its_check():
+    loop = [7, 8, 9] * 20  # loops, no stop token
+    varied = list(range(10, 40)) + [2]
+    scripts = {"loop": loop, "varied": varied, "plain-loop": loop}
+    engine = DeltaEngine(scripts)
+    stop = LoopStop(8, 4, 0.5)
+    gen = VLLMGenerator(engine, Sampling(0.7, 0.9, 64, (2,), stop), SimpleNamespace, "bfloat16",
+                        output_kinds=("final_only", "delta"))
+    gen.submit("loop", [1], 1)
+    gen.submit("varied", [1], 2)
+    gen.sampling = Sampling(0.7, 0.9, 64, (2,))  # no stop: answered whole, in one output
+    gen.submit("plain-loop", [1], 3)
+    done = {}
+    while engine.running:
+        done.update({f.request_id: f for f in gen.step()})
+    assert {rid: p.output_kind for rid, p in engine.params.items()} == {
+        "loop": "delta", "varied": "delta", "plain-loop": "final_only"}
+    assert engine.aborted == ["loop"]
+    at = first_loop_check(loop, stop)
+    # the check runs when the answer crosses a multiple of the step: it may hold a few tokens more
+    assert done["loop"].finish_reason == "loop" and at <= len(done["loop"].token_ids) < at + 3
+    assert done["loop"].token_ids == loop[:len(done["loop"].token_ids)]
+    assert (done["varied"].token_ids, done["varied"].finish_reason) == (varied, "stop")
+    assert (done["plain-loop"].token_ids, done["plain-loop"].finish_reason) == (loop, "length")
+    assert not gen.streams
+
+
+@pytest.mark.parametrize("chunks", [1, 3, 8])
+def test_a_loop_watch_judges_as_is_loop_at_each_check(chunks):
+    rng = random.Random(chunks)
+    tokens = [rng.randrange(6) for _ in range(40)] + [1, 2, 3] * 30 + [rng.randrange(50) for _ in range(60)]
+    stop = LoopStop(4, 3, 0.5)
+    watch, seen = LoopWatch(stop), 0
+    while seen < len(tokens):
+        new = tokens[seen:seen + rng.randint(1, chunks)]
+        crossed = (seen + len(new)) // 4 > seen // 4
+        seen += len(new)
+        assert watch.add(new) == (crossed and is_loop(tokens[:seen], 3, 0.5)), seen
+    assert watch.tokens == tokens

@@ -21,9 +21,10 @@ from eaglepipe import prepare_data
 from eaglepipe.chat_data import Chat, iter_chats
 from eaglepipe.chat_template import ChatTemplate
 from eaglepipe.degenerate import distinct_ngram_share, is_loop, longest_non_loop_prefix
-from eaglepipe.generation import Finished, Sampling, VLLMGenerator
+from eaglepipe.generation import Finished, LoopStop, Sampling, VLLMGenerator
 from eaglepipe.new_user_turns import (TurnSettings, Writer, conversations, first_user_texts, special_ids,
                                       user_header)
+from eaglepipe.regenerate_responses import loop_stop_every
 from eaglepipe.regeneration import (
     Mode, Regenerator, Settings, answer_points, assemble, batched_parts, mode_templates, pick_mode, prompt_set_ids,
     read_humaneval, read_mtbench, read_sets, request_seed,
@@ -311,6 +312,33 @@ def test_a_trimmed_loop_keeps_its_prefix_and_the_conversation_goes_on(tmp_path, 
     assert (mode["answers"], mode["answers_kept"], mode["loops"], mode["loops_trimmed"]) == (2, 2, 1, 1)
     assert mode["answer_tokens"] == len(loop_ids) + 1 + len(masked) - keep  # as generated, stop tokens included
     assert mode["answer_tokens_kept"] == len(masked) and stats["ended_early_by_reason"] == {}
+
+
+@pytest.mark.parametrize("on_loop", ["drop", "trim"])
+def test_a_loop_the_engine_stopped_early_is_a_loop_counted_as_stopped(tmp_path, tok, on_loop):
+    """finish "loop" (the engine's LoopStop ended it): a loop whatever its tokens, not truncated,
+    dropped or trimmed as any loop, and counted in loops_stopped_early."""
+    c = chat("c0", ("user", "what is it?"), ("user", "and then?"))
+    records, stats, gen = run_scripted(tmp_path, tok, [c, chat("c1", ("user", "more?"))], lambda pos, turn, prompt: (
+        ("a new answer: " + LOOP, "loop") if pos == 0 and turn == 0 else ("the good word.", "stop")), on_loop=on_loop)
+    mode = stats["by_mode"]["default"]
+    assert (mode["loops"], mode["loops_stopped_early"], mode["truncated"]) == (1, 1, 0)
+    if on_loop == "drop":
+        assert [r["id"] for r in records] == ["c1"] and mode["dropped_by_reason"] == {"loop": 1}
+    else:
+        loop_ids = tok.encode("a new answer: " + LOOP, add_special_tokens=False)
+        assert records[0]["answers"][0] == tok.decode(loop_ids[:longest_non_loop_prefix(loop_ids, 4, 0.5)])
+        assert mode["loops_trimmed"] == 1 and len(records) == 2
+
+
+def test_the_loop_stop_is_in_the_parts_key_and_the_sampling_only_where_loops_are_not_kept():
+    assert settings().key() == settings(loop_stop_every=0).key()  # parts written before the setting
+    assert "loop_stop_every" in json.loads(settings(loop_stop_every=64).key())
+    assert settings(loop_stop_every=64).sampling() == Sampling(0.0, 1.0, 64, (STOP,), LoopStop(64, 4, 0.5))
+    assert settings().sampling().loop_stop is None
+    # the fixed evaluation set keeps its loops whole (and inherits the unprefixed flag): no stop, no key
+    assert [loop_stop_every(SimpleNamespace(loop_stop_every=64, on_loop=on_loop))
+            for on_loop in ("drop", "trim", "keep")] == [64, 64, 0]
 
 
 def looping_first(times):

@@ -80,7 +80,8 @@ def llm_kwargs(monkeypatch) -> list[dict]:
 def test_every_engine_gets_the_kv_cache(tmp_path, llm_kwargs, gib, expected):
     regenerate_args = SimpleNamespace(
         backend="vllm", model="m", dtype="bfloat16", tensor_parallel_size=1, max_model_len=64,
-        gpu_memory_utilization=0.1, enforce_eager=False, revision=None, trust_remote_code=False, kv_cache_gib=gib)
+        gpu_memory_utilization=0.1, enforce_eager=False, revision=None, trust_remote_code=False, kv_cache_gib=gib,
+        loop_stop_every=64, on_loop="drop")
     extract_args = ehs.parse_args(["--train", "t", "--eval", "e", "--model", "m", "--shard-dir", "s", "--out", "o",
                                    "--backend", "vllm", "--gpu-memory-utilization", "0.1",
                                    *(["--kv-cache-gib", str(gib)] if gib else [])])
@@ -100,6 +101,8 @@ def test_every_engine_gets_the_kv_cache(tmp_path, llm_kwargs, gib, expected):
         assert {k: v for k, v in kwargs.items() if k == "kv_cache_memory_bytes"} == expected, name
         assert kwargs["gpu_memory_utilization"] == 0.1, name
         assert kwargs.get("max_num_seqs") == (8 if name.startswith("serving") else None), name
+        # loop-checked answers stream their tokens every regenerate.loop_stop_every, not every step
+        assert kwargs.get("stream_interval") == (64 if name == "regeneration" else None), name
         if name == "serving, with the draft":  # asked for the method the draft's config names (the settings')
             assert kwargs["speculative_config"] == {"model": "d", "method": "dflash", "num_speculative_tokens": 3}
 

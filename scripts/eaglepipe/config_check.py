@@ -189,8 +189,8 @@ def regenerate_contradictions(temperature: float, answers_per_conversation: int,
 
 
 def regenerate_errors(given: dict, properties: dict) -> list[str]:
-    """regenerate_contradictions as config errors (the schema's default where a key is not given), and
-    written user turns without the regeneration that writes them."""
+    """regenerate_contradictions as config errors (the schema's default where a key is not given), loops
+    to stop early that on_loop keeps, and written user turns without the regeneration that writes them."""
     keys = ("temperature", "answers_per_conversation", "loop_retries", "on_loop")
     value = {key: given.get(key, properties[key]["default"]) for key in keys}
     # a value of the wrong type has its own error from the schema
@@ -198,6 +198,10 @@ def regenerate_errors(given: dict, properties: dict) -> list[str]:
         return []
     out = [f"config key regenerate.{key} = {value[key]!r} is not allowed with regenerate.{other} "
            f"{value[other]!r}: {why}" for key, other, why in regenerate_contradictions(**value)]
+    every = given.get("loop_stop_every", 0)
+    if isinstance(every, int) and every > 0 and value["on_loop"] == "keep":
+        out.append(f"config key regenerate.loop_stop_every = {every} is not allowed with regenerate.on_loop 'keep': "
+                   "a kept loop is kept whole, so none is stopped; use 0 or drop/trim loops")
     written = given.get("new_user_turns")
     count = written.get("count", 0) if isinstance(written, dict) else 0
     if isinstance(count, int) and count > 0 and not given.get("enabled", properties["enabled"]["default"]):

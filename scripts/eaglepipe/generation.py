@@ -6,8 +6,11 @@ as extract_vllm does): requests are added as soon as they are known (a conversat
 right after its previous answer), so continuous batching keeps the engine full, where
 ``generate()`` on windows would drain it at every window's end. vLLM is imported lazily (CPU users
 do not have it). Calls checked against the vLLM 0.26.0 wheel: ``SamplingParams(temperature,
-top_p, seed, max_tokens, stop_token_ids, detokenize)``; a finished ``RequestOutput`` carries
-``outputs[0].token_ids`` (the stop token included) and ``finish_reason`` "stop" / "length".
+top_p, seed, max_tokens, stop_token_ids, detokenize, output_kind)``; a finished ``RequestOutput``
+carries ``outputs[0].token_ids`` (the stop token included) and ``finish_reason`` "stop" / "length".
+With ``Sampling.loop_stop`` a request streams its tokens (``RequestOutputKind.DELTA``: each step's
+new ones) and a looping one is ended with ``llm_engine.abort_request([id])``: vLLM has no stop
+condition of that kind, and a loop of a small target otherwise runs to ``max_tokens``.
 
 ``HFGenerator`` decodes batches of requests with a transformers model (CPU, tests, tiny targets):
 each request samples from its own ``torch.Generator`` seeded with its request seed, as vLLM's
@@ -30,17 +33,46 @@ import torch
 from .vllm_env import kv_cache_kwargs, set_vllm_env_defaults
 
 
+class LoopStop(NamedTuple):
+    """Stop an unfinished answer as soon as it loops (eaglepipe.degenerate.is_loop), judged each time
+    it has grown by ``every`` tokens: a looping answer of a small target otherwise runs on to
+    max_new_tokens, and is then dropped or trimmed all the same."""
+    every: int
+    ngram: int
+    min_distinct_share: float
+
+
+class LoopWatch:
+    """One answer's tokens and distinct n-grams as they come, so that judging it costs only its new
+    tokens (is_loop over the whole answer at every check would cost its length each time)."""
+
+    def __init__(self, stop: LoopStop):
+        self.stop, self.tokens, self.seen = stop, [], set()
+
+    def add(self, new) -> bool:
+        """Take the answer's next tokens; whether it crossed a check and loops there (as is_loop says)."""
+        before, n = len(self.tokens), self.stop.ngram
+        self.tokens += new
+        for end in range(max(before + 1, n), len(self.tokens) + 1):
+            self.seen.add(tuple(self.tokens[end - n:end]))
+        total = len(self.tokens) - n + 1
+        return (len(self.tokens) // self.stop.every > before // self.stop.every and total > 0
+                and len(self.seen) / total < self.stop.min_distinct_share)
+
+
 class Sampling(NamedTuple):
     temperature: float  # 0 = greedy
     top_p: float
     max_new_tokens: int
     stop_token_ids: tuple[int, ...]  # the tokens that end the target's turn
+    loop_stop: LoopStop | None = None  # None: every answer runs to its stop token or max_new_tokens
 
 
 class Finished(NamedTuple):
     request_id: str
     token_ids: list[int]  # the completion, its stop token included
-    finish_reason: str  # "stop" or "length"; anything else is an engine failure
+    # "stop", "length", or "loop" (stopped early by Sampling.loop_stop); anything else is an engine failure
+    finish_reason: str
 
 
 def stop_token_ids(tokenizer, model: str, revision: str | None, trust_remote_code: bool) -> tuple[int, ...]:
@@ -113,7 +145,8 @@ class HFGenerator:
                       if s.temperature > 0 else None)
         # the config tells the cache which layers slide (as generate() builds it)
         cache = DynamicCache(config=self.model.config)
-        alive, answers = list(range(len(batch))), [[] for _ in batch]
+        alive, answers, looped = list(range(len(batch))), [[] for _ in batch], set()
+        watches = [LoopWatch(s.loop_stop) for _ in batch] if s.loop_stop else None
         for _ in range(s.max_new_tokens):
             logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                                 use_cache=True, **self.last_logits_only).logits[:, -1].float()
@@ -121,7 +154,11 @@ class HFGenerator:
             going = []
             for i, (r, token) in enumerate(zip(alive, picked.tolist())):
                 answers[r].append(token)
-                if token not in stops:
+                if token in stops:
+                    continue
+                if watches and watches[r].add([token]):
+                    looped.add(r)
+                else:
                     going.append(i)
             if not going:
                 break
@@ -132,8 +169,8 @@ class HFGenerator:
                 alive = [alive[i] for i in going]
             ids, positions = picked[:, None], positions[:, -1:] + 1
             mask = torch.cat([mask, mask.new_ones((len(alive), 1))], dim=1)
-        return [Finished(rid, answer, "stop" if answer[-1] in stops else "length")
-                for (rid, _, _), answer in zip(batch, answers)]
+        return [Finished(rid, answer, "loop" if r in looped else "stop" if answer[-1] in stops else "length")
+                for r, ((rid, _, _), answer) in enumerate(zip(batch, answers))]
 
     def _pick(self, logits: torch.Tensor, generators: list[torch.Generator] | None) -> torch.Tensor:
         """Greedy, or a sample from the temperature-scaled top-p nucleus (the smallest set of tokens whose
@@ -159,9 +196,14 @@ class VLLMGenerator:
     # default) so it stays full while conversations wait for their next turn and parts finish
     lookahead = 4096
 
-    def __init__(self, llm, sampling: Sampling, make_params, precision: str):
+    def __init__(self, llm, sampling: Sampling, make_params, precision: str,
+                 output_kinds: tuple = ("final_only", "delta")):
         self.llm, self.engine, self.sampling, self.make_params = llm, llm.llm_engine, sampling, make_params
         self.precision = precision
+        # vLLM's RequestOutputKind FINAL_ONLY and DELTA: a request whose answer is checked for a loop
+        # streams its new tokens at every step (DELTA), the others come back once, finished
+        self.final_only, self.delta = output_kinds
+        self.streams: dict[str, LoopWatch] = {}  # the loop-checked requests being answered
 
     @staticmethod
     def compute_precision(device: str, dtype: str) -> str:
@@ -172,7 +214,10 @@ class VLLMGenerator:
     def load(cls, model: str, sampling: Sampling, dtype: str, tensor_parallel_size: int = 1,
              max_model_len: int = 8192, gpu_memory_utilization: float = 0.9, enforce_eager: bool = False,
              revision: str | None = None, trust_remote_code: bool = False,
-             kv_cache_gib: float | None = None) -> "VLLMGenerator":
+             kv_cache_gib: float | None = None, stream_interval: int | None = None) -> "VLLMGenerator":
+        """``stream_interval``: a streaming (loop-checked) request's tokens come back every that many
+        (vLLM's engine argument), not at every step: the checks' step, without the host work of an
+        output per token."""
         set_vllm_env_defaults()
         from vllm import LLM, SamplingParams
         from vllm.sampling_params import RequestOutputKind
@@ -181,22 +226,40 @@ class VLLMGenerator:
             model=model, revision=revision, trust_remote_code=trust_remote_code, skip_tokenizer_init=True,
             dtype=dtype, tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
             gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager, seed=0,
-            **kv_cache_kwargs(kv_cache_gib),
+            **kv_cache_kwargs(kv_cache_gib), **({"stream_interval": stream_interval} if stream_interval else {}),
         )
         # detokenize=False: the engine has no tokenizer (skip_tokenizer_init); we decode ourselves
-        return cls(llm, sampling, partial(SamplingParams, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY),
-                   dtype)
+        return cls(llm, sampling, partial(SamplingParams, detokenize=False), dtype,
+                   (RequestOutputKind.FINAL_ONLY, RequestOutputKind.DELTA))
 
     def submit(self, request_id: str, prompt_ids: list[int], seed: int) -> None:
         s = self.sampling
         # stop_token_ids given explicitly: without a tokenizer vLLM knows only generation_config's
         params = self.make_params(temperature=s.temperature, top_p=s.top_p, seed=seed, max_tokens=s.max_new_tokens,
-                                  stop_token_ids=list(s.stop_token_ids))
+                                  stop_token_ids=list(s.stop_token_ids),
+                                  output_kind=self.delta if s.loop_stop else self.final_only)
         self.engine.add_request(request_id, {"prompt_token_ids": prompt_ids}, params)
+        if s.loop_stop:
+            self.streams[request_id] = LoopWatch(s.loop_stop)
 
     def step(self) -> list[Finished]:
-        return [Finished(out.request_id, list(out.outputs[0].token_ids), out.outputs[0].finish_reason)
-                for out in self.engine.step() if out.finished]
+        done = []
+        for out in self.engine.step():
+            watch = self.streams.get(out.request_id)
+            if watch is None:
+                if out.finished:
+                    done.append(Finished(out.request_id, list(out.outputs[0].token_ids), out.outputs[0].finish_reason))
+                continue
+            loops = watch.add(out.outputs[0].token_ids if out.outputs else [])
+            if out.finished:
+                done.append(Finished(out.request_id, watch.tokens, out.outputs[0].finish_reason))
+            elif loops:  # the engine drops it (LLMEngine.abort_request)
+                self.engine.abort_request([out.request_id])
+                done.append(Finished(out.request_id, watch.tokens, "loop"))
+            else:
+                continue
+            del self.streams[out.request_id]
+        return done
 
     def close(self) -> None:
         del self.engine, self.llm

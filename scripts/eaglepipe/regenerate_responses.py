@@ -51,6 +51,10 @@ its own (eaglepipe.new_user_turns says how they are written, filtered and resume
 to ``<parts-dir>/new_user_turns``), and the kept ones are answered after the data's records as
 one-turn conversations ``new-<i>``. The stats record them under ``new_user_turns``.
 
+``--loop-stop-every N``: the engine stops an answer once it loops (eaglepipe.generation.LoopStop,
+judged every N tokens) instead of generating it to ``--max-new-tokens`` only to drop or trim it;
+the evaluation set, whose loops are kept, is never stopped.
+
 Two answer sets, one engine: ``--eval-data``, ``--eval-out``, ``--eval-stats`` and
 ``--eval-parts-dir`` name a second set (the fixed evaluation prompts), answered by the same engine
 after the first is done, with the sampling flags given again under ``--eval-`` (``--eval-turns
@@ -85,13 +89,19 @@ from eaglepipe.settings import STAGE_SETTINGS, add_stage_arguments
 from eaglepipe.vllm_env import gib_above_zero
 
 
+def loop_stop_every(a) -> int:
+    """The early loop stop's step of a set's flags: 0 where on_loop keeps loops whole (the eval set)."""
+    return a.loop_stop_every if a.on_loop != "keep" else 0
+
+
 def make_generator(args, sampling: Sampling):
     if args.backend == "vllm":
         return VLLMGenerator.load(args.model, sampling, dtype=args.dtype,
                                   tensor_parallel_size=args.tensor_parallel_size, max_model_len=args.max_model_len,
                                   gpu_memory_utilization=args.gpu_memory_utilization,
                                   enforce_eager=args.enforce_eager, revision=args.revision,
-                                  trust_remote_code=args.trust_remote_code, kv_cache_gib=args.kv_cache_gib)
+                                  trust_remote_code=args.trust_remote_code, kv_cache_gib=args.kv_cache_gib,
+                                  stream_interval=loop_stop_every(args) or None)
     return HFGenerator(args.model, sampling, device=args.device, dtype=args.dtype, revision=args.revision,
                        trust_remote_code=args.trust_remote_code, batch_size=args.hf_batch_size)
 
@@ -121,7 +131,7 @@ def set_settings(a, generator, templates, stops) -> Settings:
         seed=a.seed, modes=a.modes, stop_token_ids=stops,
         on_truncated=a.on_truncated, on_loop=a.on_loop, loop_ngram=a.loop_ngram,
         loop_min_distinct_share=a.loop_min_distinct_share, answers_per_conversation=a.answers_per_conversation,
-        loop_retries=a.loop_retries)
+        loop_retries=a.loop_retries, loop_stop_every=loop_stop_every(a))
 
 
 def regenerate(args) -> None:
@@ -145,8 +155,9 @@ def regenerate(args) -> None:
     for a in sets:
         # between sets no request is pending: the engines read the sampling at submit / decode time
         written = write_user_turns(a, generator, templates) if a.new_user_turns_count else None
-        generator.sampling = Sampling(a.temperature, a.top_p, a.max_new_tokens, stops)
-        reports.append(regenerate_set(a, generator, templates, stops, written))
+        settings = set_settings(a, generator, templates, stops)
+        generator.sampling = settings.sampling()
+        reports.append(regenerate_set(a, generator, templates, settings, written))
     generator.close()
     # one load (or none: every part reused) for every set, recorded in each set's stats
     engine = {"backend": args.backend, "load_s": generator.load_s, "answered": [str(a.out) for a in sets]}
@@ -174,10 +185,9 @@ def write_user_turns(a, generator, templates) -> tuple[list, dict]:
     return chats, report
 
 
-def regenerate_set(a, generator, templates, stops, written: tuple[list, dict] | None = None) -> dict:
+def regenerate_set(a, generator, templates, settings: Settings, written: tuple[list, dict] | None = None) -> dict:
     """Answer one set, and the conversations of ``written`` (write_user_turns) after its records;
     its report (the stats file is written once every set is answered)."""
-    settings = set_settings(a, generator, templates, stops)
     regen = Regenerator(generator, templates, settings, a.parts_dir)
     items = chain(islice(read_sets(a.data), a.max_samples or None), written[0] if written else [])
     with TokenProgress(None, "regenerate") as progress:

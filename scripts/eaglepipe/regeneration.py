@@ -29,7 +29,7 @@ from eaglepipe.chat_data import Chat, Skip, iter_chats, normalize
 from eaglepipe.chat_template import ChatTemplate
 from eaglepipe.config_check import prompt_set_name
 from eaglepipe.degenerate import is_loop, longest_non_loop_prefix
-from eaglepipe.generation import Finished
+from eaglepipe.generation import Finished, LoopStop, Sampling
 from eaglepipe.progress import TokenProgress
 
 PART_FORMAT = 1
@@ -73,6 +73,7 @@ class Settings:
     answers_per_conversation: int = 1
     max_prompt_len: int = 0  # 0: only the engine's bound (max_model_len - max_new_tokens)
     loop_retries: int = 0  # a looping answer asked again with a new seed, up to this many times
+    loop_stop_every: int = 0  # a looping answer stopped early, checked every this many tokens (0: run to its end)
 
     def prompt_bound(self) -> int:
         """The longest prompt a turn may have: the engine's bound, or the training length if shorter."""
@@ -87,7 +88,14 @@ class Settings:
             del d["max_prompt_len"]
         if d["loop_retries"] == 0:  # as before the setting
             del d["loop_retries"]
+        if d["loop_stop_every"] == 0:  # as before the setting
+            del d["loop_stop_every"]
         return json.dumps(d, sort_keys=True)
+
+    def sampling(self) -> Sampling:
+        """How the engine answers this set's turns."""
+        stop = LoopStop(self.loop_stop_every, self.loop_ngram, self.loop_min_distinct_share) if self.loop_stop_every else None
+        return Sampling(self.temperature, self.top_p, self.max_new_tokens, self.stop_token_ids, stop)
 
 
 def set_key(conversation: str, answer_set: int) -> str:
@@ -193,12 +201,13 @@ class Flags(NamedTuple):
     empty: bool
     truncated: bool  # hit max_new_tokens
     loop: bool
+    stopped_early: bool = False  # a loop the engine stopped before its end (Settings.loop_stop_every)
 
 
 class Answer(NamedTuple):
     prompt_ids: list[int]
     token_ids: list[int]  # what is kept: the engine's tokens, or a trimmed loop's prefix
-    finish_reason: str  # "stop", "length", or "trimmed"
+    finish_reason: str  # "stop", "length", "loop" (stopped early) or "trimmed"
     flags: Flags = Flags(False, False, False)
     generated: int = 0  # tokens the engine returned
 
@@ -285,8 +294,10 @@ def content_of(token_ids: list[int], finish_reason: str) -> list[int]:
 
 def classify(token_ids: list[int], finish_reason: str, settings: Settings) -> Flags:
     content = content_of(token_ids, finish_reason)
-    return Flags(not content, finish_reason != "stop",
-                 is_loop(content, settings.loop_ngram, settings.loop_min_distinct_share))
+    stopped_early = finish_reason == "loop"  # the engine found the loop (eaglepipe.generation.LoopStop)
+    return Flags(not content, finish_reason == "length",
+                 stopped_early or is_loop(content, settings.loop_ngram, settings.loop_min_distinct_share),
+                 stopped_early)
 
 
 def build_samples(conversation: Conversation) -> list[tuple[list[int], list[int], list[Answer]]]:
@@ -353,7 +364,7 @@ class Regenerator:
         part, pos = self.requests.pop(done.request_id)
         conv = part.conversations[pos]
         prompt = conv.answers[-1].prompt_ids
-        if done.finish_reason not in ("stop", "length"):
+        if done.finish_reason not in ("stop", "length", "loop"):
             conv.answers.pop()
             conv.end = f"failed: the engine finished the request with {done.finish_reason!r}"
             return part, pos, False
@@ -488,7 +499,7 @@ class Regenerator:
 def new_mode_stats() -> dict:
     """Per mode: conversations (kept: at least one answer kept) and every answer generated, by kind."""
     return {"conversations": 0, "kept": 0, "answers": 0, "answers_kept": 0, "answer_tokens": 0,
-            "answer_tokens_kept": 0, "truncated": 0, "loops": 0, "loops_trimmed": 0, "empty": 0,
+            "answer_tokens_kept": 0, "truncated": 0, "loops": 0, "loops_trimmed": 0, "loops_stopped_early": 0, "empty": 0,
             "dropped_by_reason": Counter()}
 
 
@@ -505,6 +516,7 @@ def count_answer(mode: dict, answer: Answer, dropped: str | None = None) -> None
     mode["truncated"] += answer.flags.truncated
     mode["loops"] += answer.flags.loop
     mode["loops_trimmed"] += answer.finish_reason == "trimmed"
+    mode["loops_stopped_early"] += answer.flags.stopped_early
     if dropped:
         mode["dropped_by_reason"][dropped] += 1
     else:

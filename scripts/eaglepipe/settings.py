@@ -84,6 +84,8 @@ STAGE_SETTINGS: dict[str, dict[str, tuple[Group, ...]]] = {
         # without written turns keeps the flags, and so the params, it had before the setting
         "new_user_turns": (group("regenerate.new_user_turns", "count", "temperature", "top_p", "max_new_tokens",
                                  prefix="new-user-turns-"),),
+        # given only when regenerate.loop_stop_every > 0, for the same reason
+        "loop_stop": (group("regenerate", "loop_stop_every"),),
         # The fixed evaluation set answered by the same engine (rule regenerate_responses when
         # evaluate.prompts is set): its own values of the sampling keys, as --eval-<key>. The rule gives
         # them from its EVAL_PROMPTS_SAMPLING (greedy, first turn, ...), never the config's values.

@@ -71,6 +71,11 @@ def test_rules_rerun_on_their_own_sampling_changes_only(tmp_path, tiny_llama):
     written = "regenerate=" + json.dumps({**regenerate, "new_user_turns": {"count": 3, "temperature": 0.8}})
     out = snakemake(ws, "-n", "-p", "--config", written, "--", "results/tiny/data/train.jsonl").stdout
     assert "--new-user-turns-count 3 --new-user-turns-temperature 0.8 --new-user-turns-top-p 1.0" in out, out
+    # so does the early stop of looping answers (regenerate.loop_stop_every)
+    assert "--loop-stop-every" not in out, out
+    stopped = "regenerate=" + json.dumps({**regenerate, "on_loop": "drop", "loop_stop_every": 32})
+    out = snakemake(ws, "-n", "-p", "--config", stopped, "--", "results/tiny/data/train.jsonl").stdout
+    assert "--loop-stop-every 32" in out, out
     jobs, reasons, out = dry_run(ws, "--config", "regenerate=" + json.dumps({**regenerate, "temperature": 0.9}))
     assert {"regenerate_responses", "prepare_data"} <= set(jobs), out
     assert any("regenerate_responses" in rules for reason, rules in reasons.items() if "params" in reason.lower()), out
