@@ -16,13 +16,14 @@
         data/stats.json) in rows of about T tokens: the steps of the size whose data is known only
         once made (the "new" size: every record and user turns the target writes itself).
     python3 benchmarks/data_curve.py curve RUN_DIR... [--steps TSV] [--logs DIR] [--k 3] [--json OUT] [--md OUT] \
-        [--svg OUT]
+        [--svg OUT] [--rows-from EARLIER.json]
         The curve: per run its data (records read, conversations kept, samples, train tokens),
         training (steps, tokens seen, passes, the budget's window), offline AL (overall and per
         fixed set) and online AL at concurrency 1 and K (per set), the wall time of each stage
         (Snakemake's job start and finish in the size's log under --logs, else its benchmark files)
         and the issue's stopping rule: the online AL gained per doubling of the conversations kept,
-        against 2 %. --svg: the curve as a figure, AL against the conversations kept beside each
+        against 2 % (offline AL as served on MT-Bench for a pair with a size not served). --rows-from
+        puts an earlier curve's rows first (sizes of an earlier session). --svg: the curve as a figure, AL against the conversations kept beside each
         run's held-out AL during its training against the tokens it had seen (where the sizes' points
         lie on one another's training curves, the steps, not the unique data, made the difference).
 """
@@ -300,22 +301,35 @@ def curve_row(run: Path, k: int, steps: dict[str, dict], logs: Path | None) -> d
     return row
 
 
+ONLINE, OFFLINE_MTBENCH = "online", "offline as served, mtbench"
+
+
+def rule_al(row: dict, measure: str) -> float | None:
+    return row["online_al"] if measure == ONLINE else (row["offline_by_set"].get("mtbench") or {}).get("al_as_served")
+
+
 def stopping_rule(rows: list[dict]) -> dict:
-    """Online AL gained per doubling of the conversations kept, between consecutive sizes; stop at
-    the first pair that gains less than STOP_GAIN."""
-    done = sorted((r for r in rows if r["online_al"] and r["conversations_kept"]), key=lambda r: r["conversations_kept"])
+    """AL gained per doubling of the conversations kept, between consecutive sizes; stop at the first
+    pair that gains less than STOP_GAIN. Online AL; a pair where a size was not served (a session
+    short of device time: OMIT_FROM=benchmark_serving) compares both sizes' offline AL as served on
+    the same MT-Bench prompts, which has matched the served figure (benchmarks/README.md#data-scale-curve-issue-45)."""
+    done = sorted((r for r in rows if r["conversations_kept"] and any(rule_al(r, m) for m in (ONLINE, OFFLINE_MTBENCH))),
+                  key=lambda r: r["conversations_kept"])
     pairs = []
     for a, b in zip(done, done[1:]):
+        measure = ONLINE if a["online_al"] and b["online_al"] else OFFLINE_MTBENCH
+        if not (rule_al(a, measure) and rule_al(b, measure)):
+            continue
         doublings = math.log2(b["conversations_kept"] / a["conversations_kept"])
-        gain = b["online_al"] / a["online_al"] - 1
+        gain = rule_al(b, measure) / rule_al(a, measure) - 1
         per_doubling = gain / doublings if doublings > 0 else None
-        pairs.append({"from": a["run"], "to": b["run"], "doublings": round(doublings, 3), "gain": round(gain, 4),
-                      "gain_per_doubling": None if per_doubling is None else round(per_doubling, 4),
+        pairs.append({"from": a["run"], "to": b["run"], "measure": measure, "doublings": round(doublings, 3),
+                      "gain": round(gain, 4), "gain_per_doubling": None if per_doubling is None else round(per_doubling, 4),
                       "below_threshold": per_doubling is not None and per_doubling < STOP_GAIN})
     stop = next((p for p in pairs if p["below_threshold"]), None)
-    verdict = (f"stop: {stop['from']} -> {stop['to']} gained {stop['gain_per_doubling']:+.2%} online AL per doubling"
-               if stop else "more data still pays (every measured doubling gained >= 2 %)" if pairs
-               else "fewer than two sizes served: no verdict")
+    verdict = (f"stop: {stop['from']} -> {stop['to']} gained {stop['gain_per_doubling']:+.2%} AL ({stop['measure']}) "
+               "per doubling" if stop else "more data still pays (every measured doubling gained >= 2 %)" if pairs
+               else "fewer than two sizes measured: no verdict")
     return {"threshold_per_doubling": STOP_GAIN, "pairs": pairs, "verdict": verdict}
 
 
@@ -344,8 +358,9 @@ def markdown(rows: list[dict], rule: dict, k: int, chain: list[dict] = ()) -> st
         lines += ["", "| stage (s) | " + " | ".join(r["run"] for r in rows) + " |", "|" + " --- |" * (len(rows) + 1)]
         for s in stages:
             lines.append(f"| {s} | " + " | ".join(fmt(r["stage_seconds"].get(s), ".0f") for r in rows) + " |")
-    lines += [""] + [f"- {p['from']} -> {p['to']}: {p['doublings']} doublings of the conversations, online AL "
-                     f"{p['gain']:+.2%}, {p['gain_per_doubling']:+.2%} per doubling" for p in rule["pairs"]]
+    lines += [""] + [f"- {p['from']} -> {p['to']}: {p['doublings']} doublings of the conversations, AL "
+                     f"({p.get('measure', ONLINE)}) {p['gain']:+.2%}, {p['gain_per_doubling']:+.2%} per doubling"
+                     for p in rule["pairs"]]
     lines.append(f"- stopping rule (< {rule['threshold_per_doubling']:.0%} per doubling): {rule['verdict']}")
     if chain:
         lines.append("- chain steps (s, rc): " + ", ".join(f"{c['step']} {c['seconds']:.0f}"
@@ -353,9 +368,18 @@ def markdown(rows: list[dict], rule: dict, k: int, chain: list[dict] = ()) -> st
     return "\n".join(lines) + "\n"
 
 
-def curve(runs: list[Path], k: int = 3, steps: Path | None = None, logs: Path | None = None) -> dict:
+def curve(runs: list[Path], k: int = 3, steps: Path | None = None, logs: Path | None = None,
+          rows_from: Path | None = None) -> dict:
+    """The curve of ``runs``, after the rows of an earlier curve's JSON (``rows_from``: sizes measured in
+    an earlier device session, whose run directories are gone; a run measured again replaces its row)."""
     chain = chain_steps(steps)
     rows = [curve_row(r, k, chain, logs) for r in runs]
+    if rows_from is not None:
+        earlier = json.loads(rows_from.read_text())
+        if earlier.get("k") != k:
+            raise SystemExit(f"{rows_from}: its rows are at K={earlier.get('k')}, this curve's at K={k}")
+        fresh = {r["run"] for r in rows}
+        rows = [r for r in earlier["rows"] if r["run"] not in fresh] + rows
     return {"k": k, "concurrency": 1, "rows": rows, "stopping_rule": stopping_rule(rows),
             "chain_steps": [{"step": s, "rc": int(r["rc"]), "seconds": float(r["seconds"])} for s, r in chain.items()]}
 
@@ -380,6 +404,8 @@ def main(argv=None) -> None:
     c.add_argument("--json", type=Path)
     c.add_argument("--md", type=Path)
     c.add_argument("--svg", type=Path, help="the curve as a figure")
+    c.add_argument("--rows-from", type=Path, help="an earlier curve's JSON: its rows come first (their training "
+                   "curves are not in it, so the figure's right panel shows only RUN_DIRs')")
     args = ap.parse_args(argv)
     if args.command == "seed":
         if (args.source is None) != (args.records is None):
@@ -395,7 +421,7 @@ def main(argv=None) -> None:
             ap.error("--passes must be > 0 and --row-tokens >= 1")
         print(steps_for(args.run, args.passes, args.row_tokens))
         return
-    result = curve(args.runs, args.k, args.steps, args.logs)
+    result = curve(args.runs, args.k, args.steps, args.logs, args.rows_from)
     table = markdown(result["rows"], result["stopping_rule"], args.k, result["chain_steps"])
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")

