@@ -24,7 +24,7 @@ from eaglepipe.degenerate import distinct_ngram_share, is_loop, longest_non_loop
 from eaglepipe.generation import Finished, LoopStop, Sampling, VLLMGenerator
 from eaglepipe.new_user_turns import (TurnSettings, Writer, conversations, first_user_texts, special_ids,
                                       user_header)
-from eaglepipe.regenerate_responses import loop_stop_every
+from eaglepipe.regenerate_responses import answer_sets, build_parser
 from eaglepipe.regeneration import (
     Mode, Regenerator, Settings, answer_points, assemble, batched_parts, mode_templates, pick_mode, prompt_set_ids,
     read_humaneval, read_mtbench, read_sets, request_seed,
@@ -336,9 +336,11 @@ def test_the_loop_stop_is_in_the_parts_key_and_the_sampling_only_where_loops_are
     assert "loop_stop_every" in json.loads(settings(loop_stop_every=64).key())
     assert settings(loop_stop_every=64).sampling() == Sampling(0.0, 1.0, 64, (STOP,), LoopStop(64, 4, 0.5))
     assert settings().sampling().loop_stop is None
-    # the fixed evaluation set keeps its loops whole (and inherits the unprefixed flag): no stop, no key
-    assert [loop_stop_every(SimpleNamespace(loop_stop_every=64, on_loop=on_loop))
-            for on_loop in ("drop", "trim", "keep")] == [64, 64, 0]
+    # the fixed evaluation set keeps its loops whole: no stop (the unprefixed flag is the chats')
+    args = build_parser().parse_args(["--data", "d", "--out", "o", "--stats", "s", "--parts-dir", "p", "--model", "m",
+                                      "--loop-stop-every", "64", "--eval-data", "e", "--eval-out", "eo",
+                                      "--eval-stats", "es", "--eval-parts-dir", "ep", "--eval-on-loop", "keep"])
+    assert [(a.on_loop, a.loop_stop_every) for a in answer_sets(args)] == [("keep", 0), ("drop", 64)]
 
 
 def looping_first(times):
@@ -687,7 +689,8 @@ def test_the_first_answer_set_is_a_single_sets_answers(tmp_path, tiny_llama):
                        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO / "scripts")})
     assert p.returncode == 2 and "greedy answer sets are all the same" in p.stderr
     for flags, why in ((["--loop-retries", "1", "--temperature", "0"], "a greedy answer loops again"),
-                       (["--loop-retries", "1", "--on-loop", "keep"], "a kept loop is never asked again")):
+                       (["--loop-retries", "1", "--on-loop", "keep"], "a kept loop is never asked again"),
+                       (["--loop-stop-every", "8", "--on-loop", "keep"], "a kept loop is kept whole")):
         p = subprocess.run(cli(tmp_path, tiny_llama, data, "bad", flags), capture_output=True, text=True,
                            env={**os.environ, "PYTHONPATH": str(REPO / "scripts")})
         assert p.returncode == 2 and why in p.stderr, p.stderr

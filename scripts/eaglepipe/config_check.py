@@ -174,7 +174,7 @@ def eval_prompts_errors(value) -> list[str]:
 
 
 def regenerate_contradictions(temperature: float, answers_per_conversation: int, loop_retries: int,
-                              on_loop: str) -> list[tuple[str, str, str]]:
+                              on_loop: str, loop_stop_every: int) -> list[tuple[str, str, str]]:
     """(setting, the setting it contradicts, why) for regeneration settings that cannot work together;
     the config check and regenerate_responses' CLI both state them from here."""
     out = []
@@ -185,23 +185,22 @@ def regenerate_contradictions(temperature: float, answers_per_conversation: int,
         out.append(("loop_retries", "temperature", "a greedy answer loops again; sample (temperature > 0) or use 0"))
     if loop_retries > 0 and on_loop == "keep":
         out.append(("loop_retries", "on_loop", "a kept loop is never asked again"))
+    if loop_stop_every > 0 and on_loop == "keep":
+        out.append(("loop_stop_every", "on_loop", "a kept loop is kept whole, so none is stopped; use 0 or drop/trim "
+                    "loops"))
     return out
 
 
 def regenerate_errors(given: dict, properties: dict) -> list[str]:
-    """regenerate_contradictions as config errors (the schema's default where a key is not given), loops
-    to stop early that on_loop keeps, and written user turns without the regeneration that writes them."""
-    keys = ("temperature", "answers_per_conversation", "loop_retries", "on_loop")
+    """regenerate_contradictions as config errors (the schema's default where a key is not given), and
+    written user turns without the regeneration that writes them."""
+    keys = ("temperature", "answers_per_conversation", "loop_retries", "on_loop", "loop_stop_every")
     value = {key: given.get(key, properties[key]["default"]) for key in keys}
     # a value of the wrong type has its own error from the schema
-    if not all(isinstance(value[key], t) for key, t in zip(keys, ((int, float), int, int, str))):
+    if not all(isinstance(value[key], t) for key, t in zip(keys, ((int, float), int, int, str, int))):
         return []
     out = [f"config key regenerate.{key} = {value[key]!r} is not allowed with regenerate.{other} "
            f"{value[other]!r}: {why}" for key, other, why in regenerate_contradictions(**value)]
-    every = given.get("loop_stop_every", 0)
-    if isinstance(every, int) and every > 0 and value["on_loop"] == "keep":
-        out.append(f"config key regenerate.loop_stop_every = {every} is not allowed with regenerate.on_loop 'keep': "
-                   "a kept loop is kept whole, so none is stopped; use 0 or drop/trim loops")
     written = given.get("new_user_turns")
     count = written.get("count", 0) if isinstance(written, dict) else 0
     if isinstance(count, int) and count > 0 and not given.get("enabled", properties["enabled"]["default"]):

@@ -8,9 +8,9 @@ right after its previous answer), so continuous batching keeps the engine full, 
 do not have it). Calls checked against the vLLM 0.26.0 wheel: ``SamplingParams(temperature,
 top_p, seed, max_tokens, stop_token_ids, detokenize, output_kind)``; a finished ``RequestOutput``
 carries ``outputs[0].token_ids`` (the stop token included) and ``finish_reason`` "stop" / "length".
-With ``Sampling.loop_stop`` a request streams its tokens (``RequestOutputKind.DELTA``: each step's
-new ones) and a looping one is ended with ``llm_engine.abort_request([id])``: vLLM has no stop
-condition of that kind, and a loop of a small target otherwise runs to ``max_tokens``.
+With ``Sampling.loop_stop`` a request streams its tokens (``RequestOutputKind.DELTA``: the new ones,
+every ``stream_interval`` tokens) and a looping one is ended with ``llm_engine.abort_request([id])``:
+vLLM has no stop condition of that kind, and a loop of a small target otherwise runs to ``max_tokens``.
 
 ``HFGenerator`` decodes batches of requests with a transformers model (CPU, tests, tiny targets):
 each request samples from its own ``torch.Generator`` seeded with its request seed, as vLLM's
@@ -201,7 +201,7 @@ class VLLMGenerator:
         self.llm, self.engine, self.sampling, self.make_params = llm, llm.llm_engine, sampling, make_params
         self.precision = precision
         # vLLM's RequestOutputKind FINAL_ONLY and DELTA: a request whose answer is checked for a loop
-        # streams its new tokens at every step (DELTA), the others come back once, finished
+        # streams its new tokens (DELTA), the others come back once, finished
         self.final_only, self.delta = output_kinds
         self.streams: dict[str, LoopWatch] = {}  # the loop-checked requests being answered
 

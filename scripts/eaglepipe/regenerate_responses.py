@@ -53,7 +53,8 @@ one-turn conversations ``new-<i>``. The stats record them under ``new_user_turns
 
 ``--loop-stop-every N``: the engine stops an answer once it loops (eaglepipe.generation.LoopStop,
 judged every N tokens) instead of generating it to ``--max-new-tokens`` only to drop or trim it;
-the evaluation set, whose loops are kept, is never stopped.
+the evaluation set, whose loops are kept whole, is never stopped (with ``--on-loop keep`` the flag
+is refused).
 
 Two answer sets, one engine: ``--eval-data``, ``--eval-out``, ``--eval-stats`` and
 ``--eval-parts-dir`` name a second set (the fixed evaluation prompts), answered by the same engine
@@ -89,11 +90,6 @@ from eaglepipe.settings import STAGE_SETTINGS, add_stage_arguments
 from eaglepipe.vllm_env import gib_above_zero
 
 
-def loop_stop_every(a) -> int:
-    """The early loop stop's step of a set's flags: 0 where on_loop keeps loops whole (the eval set)."""
-    return a.loop_stop_every if a.on_loop != "keep" else 0
-
-
 def make_generator(args, sampling: Sampling):
     if args.backend == "vllm":
         return VLLMGenerator.load(args.model, sampling, dtype=args.dtype,
@@ -101,7 +97,7 @@ def make_generator(args, sampling: Sampling):
                                   gpu_memory_utilization=args.gpu_memory_utilization,
                                   enforce_eager=args.enforce_eager, revision=args.revision,
                                   trust_remote_code=args.trust_remote_code, kv_cache_gib=args.kv_cache_gib,
-                                  stream_interval=loop_stop_every(args) or None)
+                                  stream_interval=args.loop_stop_every or None)
     return HFGenerator(args.model, sampling, device=args.device, dtype=args.dtype, revision=args.revision,
                        trust_remote_code=args.trust_remote_code, batch_size=args.hf_batch_size)
 
@@ -117,8 +113,9 @@ def answer_sets(args) -> list[argparse.Namespace]:
     sets = [args]
     if args.eval_data is not None:
         own = {k: getattr(args, f"eval_{k}") for k in (*EVAL_KEYS, *EVAL_PATHS)}
+        # the eval set keeps its loops whole: none is stopped early
         sets.insert(0, argparse.Namespace(**{**vars(args), **own, "max_samples": 0, "prompt_sets": True,
-                                             "new_user_turns_count": 0}))
+                                             "new_user_turns_count": 0, "loop_stop_every": 0}))
     return sets
 
 
@@ -131,7 +128,7 @@ def set_settings(a, generator, templates, stops) -> Settings:
         seed=a.seed, modes=a.modes, stop_token_ids=stops,
         on_truncated=a.on_truncated, on_loop=a.on_loop, loop_ngram=a.loop_ngram,
         loop_min_distinct_share=a.loop_min_distinct_share, answers_per_conversation=a.answers_per_conversation,
-        loop_retries=a.loop_retries, loop_stop_every=loop_stop_every(a))
+        loop_retries=a.loop_retries, loop_stop_every=a.loop_stop_every)
 
 
 def regenerate(args) -> None:
@@ -253,7 +250,7 @@ def main(argv=None):
     for a in answer_sets(args):
         flag = "--" if a is args else "--eval-"
         for key, other, why in regenerate_contradictions(a.temperature, a.answers_per_conversation,
-                                                         a.loop_retries, a.on_loop):
+                                                         a.loop_retries, a.on_loop, a.loop_stop_every):
             p.error(f"{flag}{key.replace('_', '-')} {getattr(a, key)} with {flag}{other.replace('_', '-')} "
                     f"{getattr(a, other)}: {why}")
     regenerate(args)
