@@ -125,7 +125,7 @@ def test_the_chain_regenerates_once_and_each_size_reuses_it(tmp_path, tiny_llama
     # the full run's regeneration ran in a step of its own: its seconds from the benchmark file
     assert rows["curve-all"]["stage_seconds_from"]["benchmark files"] == ["regenerate_responses"]
     assert "regenerate_responses" in rows["curve-12"]["stage_seconds_from"]["snakemake log"]
-    assert curve["stopping_rule"]["verdict"] == "fewer than two sizes served: no verdict"
+    assert curve["stopping_rule"]["verdict"] == "fewer than two sizes measured: no verdict"
 
     # status brings back the small results, the curve and the regenerated parts
     returned = tmp_path / "out"
