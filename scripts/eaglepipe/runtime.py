@@ -32,6 +32,17 @@ def setup_distributed() -> tuple[int, int, torch.device]:
     return rank, world, device
 
 
+def leave_distributed() -> None:
+    """Every rank leaves the group together, once its work is done: a rank whose interpreter exits
+    with the gloo group alive can abort in the group's teardown ("terminate called without an active
+    exception", exit -6, once in a CI run of tests/test_train_ddp.py)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def all_reduce(counts: dict, world: int) -> dict:
     if world > 1:
         import torch.distributed as dist

@@ -39,7 +39,7 @@ from .layers import aux_layer_ids, validate_layer_ids
 from .packed_data import PackedRows, add_row_loader_argument, shuffle_buffer, shuffle_window
 from .process_lifetime import die_with_parent
 from .progress import TokenProgress
-from .runtime import all_reduce, rng_state, set_rng_state, set_threads, setup_distributed
+from .runtime import all_reduce, leave_distributed, rng_state, set_rng_state, set_threads, setup_distributed
 from .settings import add_stage_arguments
 from .shard_manifest import BUDGET_KEY, load_manifest
 from .training import Optimization, check_training_args, new_draft
@@ -450,6 +450,7 @@ def main(argv=None) -> None:
     # one job per checkpoint directory; under torchrun rank 0 holds it for all ranks
     with dir_lock(args.out_dir) if int(os.environ.get("RANK", "0")) == 0 else nullcontext():
         train(args)
+    leave_distributed()
 
 
 if __name__ == "__main__":
