@@ -7,7 +7,7 @@
 #       the wheel directory DIR/wheels with `setup.sh --gpu --download-wheels` for Python 3.12
 #       (leaving out what the image has), packs it as one tar split into DIR/part1..N of at most
 #       PART_MB (55) MiB each (a device call carries 64 MiB, the working tree included), and prints
-#       the device calls. DIR defaults to .gpuwheels (add /.gpuwheels/ to .git/info/exclude).
+#       the device calls. DIR defaults to .gpuwheels (in .gitignore).
 #   bash benchmarks/gpu_pipeline.sh start         on the device, from the repository root, once
 #       every part is in /tmp/stage: unpacks, `setup.sh --gpu --no-venv --wheels`, then starts
 #       `snakemake --cores all` on config/presets/smollm2-h200.yaml DETACHED (a call's 10-minute
