@@ -30,6 +30,7 @@ from typing import NamedTuple
 
 import torch
 
+from .degenerate import DistinctNgrams
 from .vllm_env import kv_cache_kwargs, set_vllm_env_defaults
 
 
@@ -43,21 +44,22 @@ class LoopStop(NamedTuple):
 
 
 class LoopWatch:
-    """One answer's tokens and distinct n-grams as they come, so that judging it costs only its new
-    tokens (is_loop over the whole answer at every check would cost its length each time)."""
+    """One answer as it comes, judged at each check (is_loop over the whole answer at every check
+    would cost its length each time; DistinctNgrams costs its new tokens)."""
 
     def __init__(self, stop: LoopStop):
-        self.stop, self.tokens, self.seen = stop, [], set()
+        self.stop, self.answer = stop, DistinctNgrams(stop.ngram)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.answer.tokens
 
     def add(self, new) -> bool:
         """Take the answer's next tokens; whether it crossed a check and loops there (as is_loop says)."""
-        before, n = len(self.tokens), self.stop.ngram
-        self.tokens += new
-        for end in range(max(before + 1, n), len(self.tokens) + 1):
-            self.seen.add(tuple(self.tokens[end - n:end]))
-        total = len(self.tokens) - n + 1
-        return (len(self.tokens) // self.stop.every > before // self.stop.every and total > 0
-                and len(self.seen) / total < self.stop.min_distinct_share)
+        before = len(self.tokens)
+        self.answer.add(new)
+        return (len(self.tokens) // self.stop.every > before // self.stop.every
+                and self.answer.share() < self.stop.min_distinct_share)
 
 
 class Sampling(NamedTuple):
