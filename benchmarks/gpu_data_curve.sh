@@ -31,9 +31,9 @@
 #       them out once saved)
 #   bash benchmarks/gpu_data_curve.sh args SIZE    the snakemake --config words of a size (any host)
 # Each step is timed in RUN_DIR/results/data_curve_steps.tsv; a size's Snakemake output is in
-# results/size-RUN.log. If a size's extraction or training fails under the disk budget (its vLLM extractor beside
-# the trainer has not run on a GPU before this chain), that size and the later ones run without the
-# budget (the step size-RUN-nobudget), so the curve still comes back, every size in one regime.
+# results/size-RUN.log. If a size's extraction or training fails under the disk budget, that size and
+# the later ones run without the budget (the step size-RUN-nobudget), so the curve still comes back,
+# every size in one regime.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
