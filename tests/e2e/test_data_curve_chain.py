@@ -1,8 +1,9 @@
 """benchmarks/gpu_data_curve.sh's chain rehearsed on CPU (issue 45's data-scale curve): the tiny target
-with the hf backends in place of the SmolLM2 preset, two sizes. The full run's regeneration is made
-once; the smaller size reuses its parts (nothing generated) and the larger the smaller's eval shards
-(no target load under the disk budget); the engine settings the regeneration step is given rerun
-nothing; the parts brought back in a pack give a fresh machine the same outputs without generating.
+with the hf backends in place of the SmolLM2 preset, a smaller size and the size beyond the data.
+The full run's regeneration is made once; the smaller size reuses its parts (nothing generated) and
+the next the smaller's eval shards (no target load under the disk budget); the parts brought back
+in a pack give a fresh machine the same outputs without generating, and the engine settings the
+regeneration step is given rerun nothing in the full size's run.
 The plans of the real sizes on the SmolLM2 preset: tests/test_data_curve.py."""
 
 from __future__ import annotations
@@ -89,9 +90,11 @@ def test_the_chain_regenerates_once_and_each_size_reuses_it(tmp_path, tiny_llama
     ws = workspace(tmp_path / "ws", tiny_llama)
     stage = tmp_path / "stage"
     stage.mkdir()
-    out = chain(ws, "all", stage=stage)
+    # the smaller size, then the size beyond the data: every record and the user turns the target
+    # writes itself
+    out = chain(ws, "all", "12", "new", stage=stage)
     assert "CHAIN DONE" in out, out
-    assert steps(ws) == {"regenerate": "0", "pack": "0", "size-curve-12": "0", "size-curve-all": "0", "curve": "0"}
+    assert steps(ws) == {"regenerate": "0", "pack": "0", "size-curve-12": "0", "size-curve-new": "0", "curve": "0"}
 
     # regenerated once: the full run's 6 parts of 4 records; the 12 records' run reused the first 3
     full, small = stats(ws, "curve-all"), stats(ws, "curve-12")
@@ -103,22 +106,29 @@ def test_the_chain_regenerates_once_and_each_size_reuses_it(tmp_path, tiny_llama
     full_chats = (ws / "results/curve-all/regenerated/chats.jsonl").read_text().splitlines()
     small_chats = (ws / "results/curve-12/regenerated/chats.jsonl").read_text().splitlines()
     assert small_chats == full_chats[:len(small_chats)] and len(full_chats) > len(small_chats)
-    # the regeneration step's engine settings (the preset's, no budget) rerun nothing in the size's run
-    size_log = (ws / "results/size-curve-all.log").read_text()
-    assert "rule regenerate_responses" not in size_log and "rule train_draft" in size_log
-    # the larger size reused the smaller one's eval shards: its extraction loaded no target
-    extract_log = (ws / "results/curve-all/logs/extract_hidden_states.replica-0-of-1.log").read_text()
+    # beyond the data: the data's parts were given, only the written turns were answered
+    new = stats(ws, "curve-new")
+    written = new["new_user_turns"]
+    assert written["asked"] == 3 and new["read"] == 24 + written["kept"]
+    assert new["run"]["parts_reused"] == 6
+    run = ws / "results/curve-new"
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import data_curve
+    # its steps: one pass (CURVE_PASSES) over its own train tokens in rows of 120
+    assert json.loads((run / "train/summary.json").read_text())["steps"] == data_curve.steps_for(run, 1, 120)
+    # the size after the first reused its eval shards: its extraction loaded no target
+    extract_log = (run / "logs/extract_hidden_states.replica-0-of-1.log").read_text()
     assert "reused 2 shards, wrote 0" in extract_log and "backend loaded" not in extract_log
-    for run in ("curve-12", "curve-all"):  # both trained through the budget
-        assert json.loads((ws / f"results/{run}/train/summary.json").read_text())["disk_budget"]["passes"] > 0
+    for size in ("curve-12", "curve-new"):  # both trained through the budget
+        assert json.loads((ws / f"results/{size}/train/summary.json").read_text())["disk_budget"]["passes"] > 0
 
-    # the curve: one row a size, its data, training and offline AL; the wall times of its stages
+    # the curve: one row a run, its data, training and offline AL; the wall times of its stages
     curve = json.loads((ws / "results/data_curve.json").read_text())
     rows = {r["run"]: r for r in curve["rows"]}
-    assert [r["run"] for r in curve["rows"]] == ["curve-12", "curve-all"]
+    assert [r["run"] for r in curve["rows"]] == ["curve-12", "curve-all", "curve-new"]
     assert rows["curve-12"]["records_read"] == 12 and rows["curve-all"]["records_read"] == 24
-    assert rows["curve-12"]["steps"] == 4 and rows["curve-all"]["steps"] == 6
-    for r in rows.values():
+    assert rows["curve-12"]["steps"] == 4 and rows["curve-all"]["steps"] is None  # regenerated only
+    for r in (rows["curve-12"], rows["curve-new"]):
         assert r["tokens_seen"] > 0 and r["offline_al"] >= 1 and set(r["offline_by_set"]) == {"prompts"}
         assert r["online_al"] is None  # no serving on CPU
         assert "train_draft" in r["stage_seconds_from"]["snakemake log"] and r["wall_s"] >= 0
@@ -137,31 +147,22 @@ def test_the_chain_regenerates_once_and_each_size_reuses_it(tmp_path, tiny_llama
     assert "each run's AL during training" in (returned / "data_curve.svg").read_text()
     with tarfile.open(returned / "data_curve.tgz") as t:
         names = set(t.getnames())
-    assert {"data_curve_steps.tsv", "curve-12/train/summary.json", "curve-all/eval/offline.json",
+    assert {"data_curve_steps.tsv", "curve-12/train/summary.json", "curve-new/eval/offline.json",
             "curve-all/regenerated/stats.json", "size-curve-12.log"} <= names
+    with tarfile.open(fileobj=io.BytesIO((returned / "regen.tgz.00").read_bytes())) as t:
+        assert sum(n.startswith("chats-parts/") and n.endswith(".json") for n in t.getnames()) == 6
 
-    # a fresh machine given the pack: the full run's outputs again, nothing generated; then the size
-    # beyond the data, every record and the user turns the target writes itself
+    # a fresh machine given the pack: the full run's outputs again, nothing generated; its own size
+    # run up to its data (OMIT_FROM), where the regeneration step's engine settings (the preset's,
+    # no budget) rerun nothing
     ws2 = workspace(tmp_path / "ws2", tiny_llama)
     for piece in returned.glob("regen.tgz.*"):
         shutil.copy2(piece, stage / piece.name)
-    out = chain(ws2, "curve", "new", stage=stage, OMIT_FROM="extract_parity_hidden_states")
-    assert steps(ws2) == {"unpack": "0", "regenerate": "0", "size-curve-new": "0", "curve": "0"}, out
+    out = chain(ws2, "curve", "all", stage=stage, OMIT_FROM="extract_hidden_states")
+    assert steps(ws2) == {"unpack": "0", "regenerate": "0", "size-curve-all": "0", "curve": "0"}, out
     again = stats(ws2, "curve-all")
     assert again["run"]["parts_written"] == 0 and again["run"]["parts_reused"] == 6
     assert (ws2 / "results/curve-all/regenerated/chats.jsonl").read_text().splitlines() == full_chats
-    new = stats(ws2, "curve-new")
-    written = new["new_user_turns"]
-    assert written["asked"] == 3 and new["read"] == 24 + written["kept"]
-    assert new["run"]["parts_reused"] == 6  # the data's parts were given; only the written turns were answered
-    run = ws2 / "results/curve-new"
-    # OMIT_FROM leaves out what follows the parity extraction, which a plan without serving (CPU) lacks
-    assert (run / "draft/README.md").is_file()
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import data_curve
-    # its steps: one pass (CURVE_PASSES) over its own train tokens in rows of 120
-    assert json.loads((run / "train/summary.json").read_text())["steps"] == data_curve.steps_for(run, 1, 120)
-    assert [r["run"] for r in json.loads((ws2 / "results/data_curve.json").read_text())["rows"]] == [
-        "curve-all", "curve-new"]
-    with tarfile.open(fileobj=io.BytesIO((returned / "regen.tgz.00").read_bytes())) as t:
-        assert sum(n.startswith("chats-parts/") and n.endswith(".json") for n in t.getnames()) == 6
+    size_log = (ws2 / "results/size-curve-all.log").read_text()
+    assert "rule regenerate_responses" not in size_log and "rule prepare_data" in size_log, size_log
+    assert not (ws2 / "results/curve-all/hidden_states").exists()
